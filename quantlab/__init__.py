@@ -1,0 +1,24 @@
+"""quantlab: quantization experiments on small transformer language models.
+
+>>> import quantlab
+>>> model, tok = quantlab.load_model("smollm2-135m")
+>>> quantlab.quantize(model, quantlab.RTNConfig(bits=4, group_size=64))
+"""
+from . import methods  # noqa: F401  (registers the built-in methods)
+from .api import quantize, run_calibration, select_linears
+from .data import calibration_windows, eval_windows, load_token_ids
+from .eval import measure_latency, perplexity, reference_logprobs, weight_stats
+from .experiment import load_experiment, parse_experiment
+from .methods.none import NoneConfig
+from .methods.rtn import RTNConfig
+from .models import load_model, model_info
+from .qlinear import QuantLinear, WeightSpec
+from .registry import get_method, known_methods, make_config
+from .runner import run_experiment
+
+__all__ = [
+    "quantize", "run_calibration", "select_linears", "calibration_windows", "eval_windows", "load_token_ids",
+    "measure_latency", "perplexity", "reference_logprobs", "weight_stats", "load_experiment", "parse_experiment",
+    "NoneConfig", "RTNConfig", "load_model", "model_info", "QuantLinear", "WeightSpec", "get_method",
+    "known_methods", "make_config", "run_experiment",
+]

@@ -1,0 +1,87 @@
+"""`quantlab` command line: parses arguments and calls the library, nothing more.
+
+    quantlab run experiments/smollm2_quickstart.toml [--full] [--force]
+    quantlab list
+    quantlab info smollm2-135m
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+
+
+def _cmd_run(args) -> int:
+    from .experiment import load_experiment
+    from .runner import run_experiment
+
+    exp = load_experiment(args.experiment)  # validates every run before any model loads
+    if args.full:
+        exp = dataclasses.replace(exp, name=f"{exp.name}_full", eval=exp.eval.unbounded())
+    if args.device:
+        exp = dataclasses.replace(exp, device=args.device)
+    df = run_experiment(exp, args.reports_dir, args.force, args.data_dir, args.cache_dir, progress=not args.quiet)
+    print(f"wrote {args.reports_dir}/{exp.name}.csv and .md ({len(df)} rows)")
+    cols = [c for c in ("run", "scheme", "ppl", "ppl_delta_pct", "kl_mean", "weight_mib", "bits_per_weight") if c in df]
+    print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    return 0
+
+
+def _cmd_list(args) -> int:
+    from .registry import config_fields, known_methods
+
+    for name in known_methods():
+        fields = ", ".join(f"{k}={v!r}" for k, v in config_fields(name).items())
+        print(f"{name:10s} {fields}")
+    return 0
+
+
+def _cmd_info(args) -> int:
+    from .models import load_model, model_info
+
+    model, _ = load_model(args.model, "float32", "cpu", args.cache_dir)
+    info = model_info(model)
+    linears = info.pop("linear_layers")
+    info["linear_layer_count"] = len(linears)
+    print(json.dumps(info, indent=1))
+    for name in linears:
+        print(" ", name)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="quantlab", description="quantization experiments on small LMs")
+    parser.add_argument("--cache-dir", default=os.environ.get("QUANTLAB_CACHE_DIR"),
+                        help="converted models and token caches (default ~/.cache/quantlab; env QUANTLAB_CACHE_DIR)")
+    parser.add_argument("--data-dir", default=os.environ.get("QUANTLAB_DATA_DIR"),
+                        help="directory with the wikitext-2 files (env QUANTLAB_DATA_DIR; default: ../shared/data/wikitext-2)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="run an experiment file and write reports/<name>.csv/.md")
+    p.add_argument("experiment")
+    p.add_argument("--force", action="store_true", help="rerun runs already in the results file")
+    p.add_argument("--full", action="store_true", help="evaluate the whole test split (drops max_windows/max_tokens)")
+    p.add_argument("--device", help="override the experiment's device (auto, cpu, cuda)")
+    p.add_argument("--reports-dir", default="reports")
+    p.set_defaults(func=_cmd_run)
+    sub.add_parser("list", help="registered methods and their config fields").set_defaults(func=_cmd_list)
+    p = sub.add_parser("info", help="parameter count, tied embeddings and linear layers of a model")
+    p.add_argument("model")
+    p.set_defaults(func=_cmd_info)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "urllib3", "filelock", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        return args.func(args)
+    except (ValueError, KeyError, FileNotFoundError, RuntimeError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"quantlab: error: {msg}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Weight bytes, true bits per weight, and peak memory (CUDA allocator or process RSS)."""
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+from torch import nn
+
+from ..qlinear import QuantLinear
+
+MIB = 2**20
+
+
+def _unique_tensor_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def weight_stats(model: nn.Module) -> dict:
+    """Model weight bytes (tied tensors once), and for QuantLinear layers their real storage.
+
+    bits_per_weight = 8 * (codes + scales + zeros bytes) / weights in quantized layers;
+    quant_layer_float_bytes is what the same layers take at the model's float dtype.
+    """
+    total = _unique_tensor_bytes(list(model.parameters()) + list(model.buffers()))
+    qlayers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    numel = sum(m.in_features * m.out_features for m in qlayers)
+    qbytes = sum(m.storage_bytes() for m in qlayers)
+    float_size = next(model.parameters()).element_size()
+    return {
+        "weight_bytes": total,
+        "weight_mib": total / MIB,
+        "quant_layers": len(qlayers),
+        "quant_layer_bytes": qbytes,
+        "quant_layer_float_bytes": numel * float_size,
+        "bits_per_weight": 8 * qbytes / numel if numel else 8.0 * float_size,
+    }
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mib(device: torch.device) -> dict:
+    """On CUDA: peak allocated/reserved since reset_peak_memory. On CPU: the process's
+    peak RSS so far (ru_maxrss; it never goes down, so it is an upper bound per run)."""
+    if device.type == "cuda":
+        return {
+            "peak_vram_mib": torch.cuda.max_memory_allocated(device) / MIB,
+            "peak_vram_reserved_mib": torch.cuda.max_memory_reserved(device) / MIB,
+        }
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_bytes = rss if sys.platform == "darwin" else rss * 1024
+    return {"peak_rss_mib": rss_bytes / MIB}

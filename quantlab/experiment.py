@@ -1,0 +1,158 @@
+"""Experiment files: TOML with a model, an eval protocol, a calibration protocol and [[run]]s.
+
+Everything is parsed and validated here, before any model loads.
+
+    name = "smollm2_quickstart"
+    model = "smollm2-135m"
+    [eval]
+    seq_len = 512
+    max_windows = 16
+    [[run]]
+    name = "rtn-w4-g64"
+    method = "rtn"
+    bits = 4
+    group_size = 64
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .models import DTYPES
+from .registry import config_to_dict, make_config
+
+
+def _check_keys(table: dict, cls: type, where: str) -> None:
+    valid = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - valid)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(valid))}")
+
+
+def _positive(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EvalProtocol:
+    """Perplexity windows (GPTQ protocol), KL budget and latency settings."""
+
+    dataset: str = "wikitext2"
+    split: str = "test"
+    seq_len: int = 2048
+    max_windows: int | None = None  # None: the whole split
+    max_tokens: int | None = None
+    kl_windows: int = 8  # first k eval windows also measure KL / top-1 vs the baseline; 0 = off
+    latency: bool = True
+    prefill_tokens: int = 128
+    decode_tokens: int = 32
+    latency_repeats: int = 3
+
+    def __post_init__(self):
+        _positive("eval.seq_len", self.seq_len)
+        _positive("eval.max_windows", self.max_windows, allow_none=True)
+        _positive("eval.max_tokens", self.max_tokens, allow_none=True)
+        for name in ("prefill_tokens", "decode_tokens", "latency_repeats"):
+            _positive(f"eval.{name}", getattr(self, name))
+        if not isinstance(self.kl_windows, int) or self.kl_windows < 0:
+            raise ValueError(f"eval.kl_windows must be an integer >= 0, got {self.kl_windows!r}")
+
+    def unbounded(self) -> "EvalProtocol":
+        return dataclasses.replace(self, max_windows=None, max_tokens=None)
+
+
+@dataclass(frozen=True)
+class CalibrationProtocol:
+    """Seeded random windows for methods that need data. Never the test split."""
+
+    dataset: str = "wikitext2"
+    split: str = "validation"
+    num_samples: int = 128
+    seq_len: int = 512
+
+    def __post_init__(self):
+        if self.split == "test":
+            raise ValueError("calibration.split = 'test' is not allowed: never calibrate on the evaluation split")
+        _positive("calibration.num_samples", self.num_samples)
+        _positive("calibration.seq_len", self.seq_len)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    config: Any
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, **config_to_dict(self.config)}
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    model: str
+    runs: tuple[RunSpec, ...]
+    dtype: str = "float32"
+    device: str = "auto"
+    seed: int = 0
+    description: str = ""
+    eval: EvalProtocol = field(default_factory=EvalProtocol)
+    calibration: CalibrationProtocol = field(default_factory=CalibrationProtocol)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} unknown; known: {', '.join(DTYPES)}")
+        if not self.runs:
+            raise ValueError(f"experiment {self.name!r} has no [[run]] entries")
+        names = [r.name for r in self.runs]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"experiment {self.name!r}: duplicate run name(s) {', '.join(dupes)}")
+
+
+def _parse_run(i: int, table: dict, where: str) -> RunSpec:
+    table = dict(table)
+    name = table.pop("name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: [[run]] #{i + 1} needs a non-empty 'name'")
+    try:
+        return RunSpec(name, make_config(table))
+    except (ValueError, KeyError, TypeError) as e:
+        msg = e.args[0] if e.args else str(e)
+        raise ValueError(f"{where}: run {name!r}: {msg}") from None
+
+
+def parse_experiment(data: dict, where: str = "experiment", default_name: str = "experiment") -> Experiment:
+    """Validate a parsed TOML dict into an Experiment (all run configs built)."""
+    data = dict(data)
+    if "runs" in data:
+        raise ValueError(f"{where}: write runs as [[run]] tables, not 'runs'")
+    _check_keys({k: v for k, v in data.items() if k != "run"}, Experiment, where)
+    if "model" not in data:
+        raise ValueError(f"{where}: missing required key 'model'")
+    eval_table, calib_table = data.pop("eval", {}), data.pop("calibration", {})
+    _check_keys(eval_table, EvalProtocol, f"{where} [eval]")
+    _check_keys(calib_table, CalibrationProtocol, f"{where} [calibration]")
+    runs = tuple(_parse_run(i, r, where) for i, r in enumerate(data.pop("run", [])))
+    return Experiment(
+        name=data.pop("name", default_name), runs=runs,
+        eval=EvalProtocol(**eval_table), calibration=CalibrationProtocol(**calib_table), **data,
+    )
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    """Read and validate an experiment TOML file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"experiment file {str(path)!r} does not exist")
+    with path.open("rb") as f:
+        try:
+            data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: invalid TOML: {e}") from None
+    return parse_experiment(data, where=str(path), default_name=path.stem)

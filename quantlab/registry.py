@@ -1,0 +1,122 @@
+"""The method registry: a name and a frozen config class joined to a Method.
+
+Loud by design: unknown or duplicate names fail, listing the known ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+_METHODS: dict[str, "Method"] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSelection:
+    """Which linears a method touches, by module-name globs (fnmatch)."""
+
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ("lm_head",)
+
+    def __post_init__(self):
+        for field in ("include", "exclude"):
+            value = getattr(self, field)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{field} must be a list of name globs, got {value!r}")
+            object.__setattr__(self, field, tuple(value))
+
+    def matches(self, name: str) -> bool:
+        hit = any(fnmatch.fnmatchcase(name, p) for p in self.include)
+        return hit and not any(fnmatch.fnmatchcase(name, p) for p in self.exclude)
+
+
+class Method:
+    """One quantization method: prepare -> calibrate -> (train) -> convert.
+
+    Subclasses set `name`, `config_cls` and `needs_calibration`, and override
+    the phases they need. Each phase mutates the model in place.
+    """
+
+    name: str = ""
+    config_cls: type = object
+    needs_calibration: bool = False
+
+    def prepare(self, model: nn.Module, config: Any) -> None:
+        pass
+
+    def calibrate(self, model: nn.Module, config: Any, batches: Iterable[torch.Tensor]) -> None:
+        pass
+
+    def convert(self, model: nn.Module, config: Any) -> None:
+        pass
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+    """Class decorator: make a Method available by its `name`."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in _METHODS:
+        raise ValueError(f"method {cls.name!r} is already registered")
+    _METHODS[cls.name] = cls()
+    return cls
+
+
+def known_methods() -> list[str]:
+    return sorted(_METHODS)
+
+
+def get_method(name_or_config: Any) -> Method:
+    """Look a method up by name or by an instance of its config class."""
+    if isinstance(name_or_config, str):
+        if name_or_config not in _METHODS:
+            raise KeyError(f"unknown method {name_or_config!r}; known: {', '.join(known_methods())}")
+        return _METHODS[name_or_config]
+    for method in _METHODS.values():
+        if type(name_or_config) is method.config_cls:
+            return method
+    raise KeyError(f"no method registered for config {type(name_or_config).__name__}; known: {', '.join(known_methods())}")
+
+
+def config_fields(method_name: str) -> dict[str, Any]:
+    """Field name -> default for a method's config (for `quantlab list`)."""
+    cls = get_method(method_name).config_cls
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+        else:
+            out[f.name] = None
+    return out
+
+
+def make_config(spec: dict[str, Any]) -> Any:
+    """Build a validated config from a plain dict with a 'method' key.
+
+    >>> make_config({"method": "rtn", "bits": 4, "group_size": 64})
+    """
+    spec = dict(spec)
+    if "method" not in spec:
+        raise ValueError(f"config has no 'method' key; known methods: {', '.join(known_methods())}")
+    method = get_method(spec.pop("method"))
+    fields = {f.name for f in dataclasses.fields(method.config_cls)}
+    unknown = sorted(set(spec) - fields)
+    if unknown:
+        raise ValueError(
+            f"unknown config key(s) {', '.join(map(repr, unknown))} for method {method.name!r}; "
+            f"valid: {', '.join(sorted(fields))}"
+        )
+    return method.config_cls(**spec)
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """Inverse of make_config: plain, TOML/JSON-friendly dict (tuples become lists)."""
+    d = {"method": get_method(config).name}
+    for f in dataclasses.fields(config):
+        v = getattr(config, f.name)
+        d[f.name] = list(v) if isinstance(v, tuple) else v
+    return d

@@ -1,0 +1,98 @@
+"""Rows -> pandas -> CSV + Markdown, with a baseline row and ratio columns.
+
+Ratios are against the first row whose method is 'none' (the unquantized model).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+# (column, header, format) shown in the Markdown table; the CSV keeps every column.
+TABLE_COLUMNS = [
+    ("run", "run", "{}"),
+    ("scheme", "scheme", "{}"),
+    ("ppl", "ppl ↓", "{:.3f}"),
+    ("ppl_delta_pct", "Δppl %", "{:+.2f}"),
+    ("kl_mean", "KL ↓", "{:.5f}"),
+    ("top1_agree", "top-1 ↑", "{:.4f}"),
+    ("weight_mib", "weights MiB", "{:.1f}"),
+    ("weight_ratio", "× weights", "{:.3f}"),
+    ("bits_per_weight", "bits/w (quantized layers)", "{:.3f}"),
+    ("prefill_ms_p50", "prefill ms p50", "{:.1f}"),
+    ("decode_ms_per_token_p50", "decode ms/tok p50", "{:.1f}"),
+    ("decode_speedup", "× decode speed", "{:.2f}"),
+]
+
+
+def add_ratios(df: pd.DataFrame) -> pd.DataFrame:
+    """Add ppl_delta_pct, weight_ratio, prefill_speedup, decode_speedup vs the baseline row."""
+    df = df.copy()
+    base = df[df["method"] == "none"]
+    if base.empty:
+        for c in ("ppl_delta_pct", "weight_ratio", "prefill_speedup", "decode_speedup"):
+            df[c] = float("nan")
+        return df
+    b = base.iloc[0]
+    df["ppl_delta_pct"] = (df["ppl"] / b["ppl"] - 1) * 100
+    df["weight_ratio"] = df["weight_bytes"] / b["weight_bytes"]
+    for phase, col in (("prefill", "prefill_ms_p50"), ("decode", "decode_ms_per_token_p50")):
+        df[f"{phase}_speedup"] = b[col] / df[col] if col in df else float("nan")
+    return df
+
+
+def _fmt(value, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "–"
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def markdown_table(df: pd.DataFrame, columns=TABLE_COLUMNS) -> str:
+    cols = [c for c in columns if c[0] in df.columns]
+    lines = ["| " + " | ".join(h for _, h, _ in cols) + " |", "|" + "---|" * len(cols)]
+    for _, row in df.iterrows():
+        lines.append("| " + " | ".join(_fmt(row[c], f) for c, _, f in cols) + " |")
+    return "\n".join(lines)
+
+
+def protocol_text(df: pd.DataFrame) -> str:
+    r = df.iloc[0]
+    text = (
+        f"**Protocol.** Perplexity on {r['eval_dataset']} `{r['eval_split']}` ({r['eval_source']}), "
+        f"BOS: {r['bos']}, {int(r['eval_windows'])} non-overlapping windows of seq_len {int(r['seq_len'])} "
+        f"= {int(r['eval_tokens'])} tokens ({int(r['predicted_tokens'])} predicted) from the start of the split."
+    )
+    if r.get("kl_tokens"):
+        text += f" KL(baseline ‖ run) and top-1 agreement over the first {int(r['kl_tokens'])} tokens."
+    if "prefill_tokens" in df and pd.notna(r.get("prefill_tokens")):
+        text += (f" Latency: prefill {int(r['prefill_tokens'])} tokens, greedy decode {int(r['decode_tokens'])} "
+                 f"tokens, batch {int(r['batch_size'])}, median of {int(r['latency_repeats'])} repeats after warm-up.")
+    return text
+
+
+def environment_text(df: pd.DataFrame) -> str:
+    r = df.iloc[-1]
+    keys = ["model", "dtype", "seed", "device_name", "torch", "transformers", "torchao", "quantlab", "git_sha"]
+    return "**Environment.** " + ", ".join(f"{k} `{r[k]}`" for k in keys if k in df.columns)
+
+
+def backend_text(df: pd.DataFrame) -> str:
+    backends = ", ".join(f"`{b}`" for b in df["backend"].unique())
+    return (f"**Backend.** {backends}. Simulated rows hold real integer codes (weight bytes are real) "
+            "but dequantize them in PyTorch each forward, so their latency is not a low-bit kernel's.")
+
+
+def write_report(name: str, rows: list[dict], reports_dir: str | Path, description: str = "") -> pd.DataFrame:
+    """Write <reports_dir>/<name>.csv and .md from result rows; returns the DataFrame."""
+    if not rows:
+        raise ValueError(f"no result rows for {name!r}: nothing to report")
+    reports_dir = Path(reports_dir)
+    df = add_ratios(pd.DataFrame(rows))
+    df.to_csv(reports_dir / f"{name}.csv", index=False)
+    parts = [f"# {name}", description.strip(), protocol_text(df), markdown_table(df), backend_text(df),
+             environment_text(df)]
+    (reports_dir / f"{name}.md").write_text("\n\n".join(p for p in parts if p) + "\n")
+    return df
