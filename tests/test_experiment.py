@@ -1,0 +1,133 @@
+"""Experiment files validate before loading; the runner writes rows at once, resumes and reports."""
+import json
+import tomllib
+
+import pandas as pd
+import pytest
+
+from quantlab import runner
+from quantlab.cli import main
+from quantlab.experiment import load_experiment, parse_experiment
+
+REPORT_COLUMNS = {
+    "run", "method", "scheme", "bits", "group_size", "symmetric", "ppl", "ppl_delta_pct", "kl_mean", "top1_agree",
+    "weight_bytes", "weight_mib", "weight_ratio", "bits_per_weight", "prefill_ms_p50", "prefill_ms_p90",
+    "decode_ms_per_token_p50", "decode_ms_per_token_p90", "decode_speedup", "peak_rss_mib", "quantize_s", "eval_s",
+    "backend", "seq_len", "eval_tokens", "eval_windows", "eval_source", "bos", "seed", "device", "torch",
+    "transformers", "git_sha", "config",
+}
+
+
+def _experiment(model_dir, runs=None, **eval_overrides):
+    eval_table = {"dataset": str(model_dir / "sample.txt"), "seq_len": 32, "max_windows": 4, "kl_windows": 2,
+                  "prefill_tokens": 8, "decode_tokens": 2, "latency_repeats": 1, **eval_overrides}
+    runs = runs or [{"name": "fp32", "method": "none"}, {"name": "w8", "method": "rtn", "bits": 8},
+                    {"name": "w4g32", "method": "rtn", "bits": 4, "group_size": 32, "symmetric": False}]
+    return parse_experiment({"name": "tiny", "model": str(model_dir), "device": "cpu", "eval": eval_table, "run": runs})
+
+
+def test_quickstart_file_validates():
+    exp = load_experiment("experiments/smollm2_quickstart.toml")
+    assert exp.model == "smollm2-135m" and exp.runs[0].config.__class__.__name__ == "NoneConfig"
+    assert len(exp.runs) >= 7 and exp.eval.max_windows
+
+
+@pytest.mark.parametrize("data,match", [
+    ({"model": "m", "modle": 1, "run": [{"name": "a", "method": "none"}]}, r"unknown key\(s\) 'modle'"),
+    ({"model": "m", "eval": {"seqlen": 5}, "run": [{"name": "a", "method": "none"}]}, r"\[eval\]: unknown key\(s\) 'seqlen'"),
+    ({"model": "m", "run": [{"name": "a", "method": "gtpq"}]}, r"run 'a': unknown method 'gtpq'; known: none, rtn"),
+    ({"model": "m", "run": [{"name": "a", "method": "rtn", "bits": 9}]}, r"run 'a': bits must be an integer in 2..8, got 9"),
+    ({"model": "m", "run": [{"name": "a", "method": "rtn", "group_size": 0}]}, "group_size must be a positive integer"),
+    ({"model": "m", "run": [{"name": "a", "method": "none"}, {"name": "a", "method": "none"}]}, "duplicate run name"),
+    ({"model": "m", "calibration": {"split": "test"}, "run": [{"name": "a", "method": "none"}]}, "never calibrate"),
+    ({"model": "m", "run": []}, r"has no \[\[run\]\] entries"),
+    ({"run": [{"name": "a", "method": "none"}]}, "missing required key 'model'"),
+    ({"model": "m", "run": [{"method": "none"}]}, r"\[\[run\]\] #1 needs a non-empty 'name'"),
+])
+def test_bad_experiment_files_fail_before_loading(data, match):
+    with pytest.raises(ValueError, match=match):
+        parse_experiment(data)
+
+
+def test_invalid_toml_names_the_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("model = \n")
+    with pytest.raises(ValueError, match="bad.toml: invalid TOML"):
+        load_experiment(bad)
+
+
+def test_runner_writes_rows_resumes_and_reports(tiny_model_dir, tmp_path, monkeypatch):
+    exp = _experiment(tiny_model_dir)
+    df = runner.run_experiment(exp, tmp_path, progress=False)
+    assert list(df["run"]) == ["fp32", "w8", "w4g32"]
+    csv = pd.read_csv(tmp_path / "tiny.csv")
+    assert REPORT_COLUMNS <= set(csv.columns)
+    base = csv.iloc[0]
+    assert base["ppl_delta_pct"] == 0 and base["weight_ratio"] == 1 and abs(base["kl_mean"]) < 1e-6
+    assert (csv["weight_bytes"].iloc[1:] < base["weight_bytes"]).all()
+    assert csv.loc[1, "kl_mean"] < csv.loc[2, "kl_mean"]
+    md = (tmp_path / "tiny.md").read_text()
+    assert "**Protocol.**" in md and "4 non-overlapping windows of seq_len 32" in md and "| w4g32 |" in md
+
+    real_context, real_evaluate, calls = runner._Context, runner._evaluate_run, []
+    monkeypatch.setattr(runner, "_Context", None)  # all runs done: the model must not even load
+    runner.run_experiment(exp, tmp_path, progress=False)
+    monkeypatch.setattr(runner, "_Context", real_context)
+    monkeypatch.setattr(runner, "_evaluate_run", lambda ctx, run: calls.append(run.name) or real_evaluate(ctx, run))
+    changed = _experiment(tiny_model_dir, runs=[{"name": "fp32", "method": "none"}, {"name": "w8", "method": "rtn", "bits": 8},
+                                                {"name": "w4g32", "method": "rtn", "bits": 4, "group_size": 16}])
+    df = runner.run_experiment(changed, tmp_path, progress=False)
+    assert calls == ["w4g32"]  # only the run whose config changed is redone
+    assert list(df["run"]) == ["fp32", "w8", "w4g32"] and df["group_size"].iloc[2] == 16
+    runner.run_experiment(changed, tmp_path, force=True, progress=False)
+    assert calls == ["w4g32", "fp32", "w8", "w4g32"]  # --force reruns everything
+
+
+def test_a_failing_run_keeps_finished_rows(tiny_model_dir, tmp_path, monkeypatch):
+    exp = _experiment(tiny_model_dir)
+    real = runner._evaluate_run
+
+    def flaky(ctx, run):
+        if run.name == "w8":
+            raise RuntimeError("simulated crash")
+        return real(ctx, run)
+
+    monkeypatch.setattr(runner, "_evaluate_run", flaky)
+    with pytest.raises(RuntimeError, match=r"1 run\(s\) failed .*w8: simulated crash"):
+        runner.run_experiment(exp, tmp_path, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "tiny.results.jsonl").read_text().splitlines()]
+    assert [r["run"] for r in rows] == ["fp32", "w4g32"]
+    monkeypatch.setattr(runner, "_evaluate_run", real)
+    df = runner.run_experiment(exp, tmp_path, progress=False)  # the rerun only does w8, order is the file's
+    assert list(df["run"]) == ["fp32", "w8", "w4g32"]
+
+
+def test_cli_run_list_and_errors(tiny_model_dir, tmp_path, capsys):
+    exp_file = tmp_path / "tiny.toml"
+    exp_file.write_text(f"""
+name = "tiny_cli"
+model = "{tiny_model_dir}"
+device = "cpu"
+[eval]
+dataset = "{tiny_model_dir / 'sample.txt'}"
+seq_len = 32
+max_windows = 2
+kl_windows = 1
+latency = false
+[[run]]
+name = "fp32"
+method = "none"
+[[run]]
+name = "w4"
+method = "rtn"
+bits = 4
+group_size = 16
+""")
+    assert tomllib.loads(exp_file.read_text())["name"] == "tiny_cli"
+    assert main(["-q", "run", str(exp_file), "--reports-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "tiny_cli.csv").exists() and "wrote" in capsys.readouterr().out
+    assert main(["list"]) == 0 and "rtn" in capsys.readouterr().out
+    exp_file.write_text(exp_file.read_text().replace('method = "rtn"', 'method = "rtm"'))
+    assert main(["run", str(exp_file), "--reports-dir", str(tmp_path)]) == 1
+    assert "unknown method 'rtm'; known: none, rtn" in capsys.readouterr().err
+    assert main(["run", str(tmp_path / "missing.toml")]) == 1
