@@ -55,6 +55,12 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.fixed_qparams: QParams | None = None  # set by methods that choose their own scales
         self.frozen = False
+        # Optional input transforms, applied in this order before the matmul:
+        #   input_scale (in,): x / input_scale, a smoothing scale kept explicit where it cannot be
+        #       folded into a producer (the weight columns were multiplied by it);
+        #   act_quant: an activation (fake-)quantizer module, e.g. dynamic per-token int8.
+        self.register_buffer("input_scale", None)
+        self.act_quant: nn.Module | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, spec: WeightSpec) -> "QuantLinear":
@@ -79,6 +85,10 @@ class QuantLinear(nn.Module):
         return fake_quantize(self.weight, p, self.spec.bits, self.spec.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_scale is not None:
+            x = x / self.input_scale.to(x.dtype)
+        if self.act_quant is not None:
+            x = self.act_quant(x)
         return F.linear(x, self.quantized_weight(x.dtype), self.bias)
 
     @torch.no_grad()

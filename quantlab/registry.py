@@ -113,10 +113,28 @@ def make_config(spec: dict[str, Any]) -> Any:
     return method.config_cls(**spec)
 
 
+def as_config(value: Any, field: str = "base") -> Any:
+    """A nested config given as a dict (from TOML) or as a config object -> config object.
+
+    For methods built on other methods: SmoothQuantConfig(base={"method": "dynamic", ...}).
+    """
+    if isinstance(value, dict):
+        try:
+            return make_config(value)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"{field}: {e.args[0] if e.args else e}") from None
+    get_method(value)  # raises for a non-config
+    return value
+
+
 def config_to_dict(config: Any) -> dict[str, Any]:
-    """Inverse of make_config: plain, TOML/JSON-friendly dict (tuples become lists)."""
+    """Inverse of make_config: plain, TOML/JSON-friendly dict (tuples become lists, nested configs dicts)."""
     d = {"method": get_method(config).name}
     for f in dataclasses.fields(config):
         v = getattr(config, f.name)
-        d[f.name] = list(v) if isinstance(v, tuple) else v
+        if isinstance(v, tuple):
+            v = list(v)
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            v = config_to_dict(v)
+        d[f.name] = v
     return d
