@@ -68,7 +68,7 @@ def quantize(model: nn.Module, config: Any, calibration: Iterable[torch.Tensor] 
     t0 = time.perf_counter()
     method.prepare(model, config)
     t1 = time.perf_counter()
-    if method.needs_calibration:
+    if method.needs_calibration_for(config):
         if calibration is None:
             raise ValueError(f"method {method.name!r} needs calibration data; pass calibration=[...]")
         method.calibrate(model, config, calibration)

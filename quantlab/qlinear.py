@@ -60,6 +60,7 @@ class QuantLinear(nn.Module):
         #       folded into a producer (the weight columns were multiplied by it);
         #   act_quant: an activation (fake-)quantizer module, e.g. dynamic per-token int8.
         self.register_buffer("input_scale", None)
+        self.quant_enabled = True  # False: prepared layer computes with its float weight (calibration passes)
         self.act_quant: nn.Module | None = None
 
     @classmethod
@@ -81,6 +82,8 @@ class QuantLinear(nn.Module):
             codes = codes.view(self.out_features, self.in_features)
             zero_u = self.zero_u if not self.spec.symmetric else torch.tensor(-code_range(self.spec.bits, True)[0])
             return dequantize(codes, QParams(self.scale, zero_u), self.spec.group_size, dtype or torch.float32)
+        if not self.quant_enabled:
+            return self.weight
         p = self.current_qparams()
         return fake_quantize(self.weight, p, self.spec.bits, self.spec.group_size)
 

@@ -44,6 +44,10 @@ class Method:
     config_cls: type = object
     needs_calibration: bool = False
 
+    def needs_calibration_for(self, config: Any) -> bool:
+        """Whether this config needs calibration data (methods built on a base defer to it)."""
+        return self.needs_calibration
+
     def prepare(self, model: nn.Module, config: Any) -> None:
         pass
 

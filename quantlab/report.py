@@ -16,12 +16,18 @@ TABLE_COLUMNS = [
     ("ppl_delta_pct", "Δppl %", "{:+.2f}"),
     ("kl_mean", "KL ↓", "{:.5f}"),
     ("top1_agree", "top-1 ↑", "{:.4f}"),
+    ("cos_mean", "cos mean ↑", "{:.5f}"),
+    ("cos_p5", "cos p5 ↑", "{:.5f}"),
+    ("layer_rel_err_mean", "layer rel err mean ↓", "{:.4f}"),
+    ("layer_rel_err_max", "layer rel err max ↓", "{:.4f}"),
     ("weight_mib", "weights MiB", "{:.1f}"),
     ("weight_ratio", "× weights", "{:.3f}"),
     ("bits_per_weight", "bits/w (quantized layers)", "{:.3f}"),
     ("prefill_ms_p50", "prefill ms p50", "{:.1f}"),
     ("decode_ms_per_token_p50", "decode ms/tok p50", "{:.1f}"),
     ("decode_speedup", "× decode speed", "{:.2f}"),
+    ("prefill_speedup", "× prefill speed", "{:.2f}"),
+    ("calibrate_s", "calibrate s", "{:.1f}"),
 ]
 
 
@@ -34,7 +40,8 @@ def add_ratios(df: pd.DataFrame) -> pd.DataFrame:
             df[c] = float("nan")
         return df
     b = base.iloc[0]
-    df["ppl_delta_pct"] = (df["ppl"] / b["ppl"] - 1) * 100
+    if "ppl" in df:
+        df["ppl_delta_pct"] = (df["ppl"] / b["ppl"] - 1) * 100
     df["weight_ratio"] = df["weight_bytes"] / b["weight_bytes"]
     for phase, col in (("prefill", "prefill_ms_p50"), ("decode", "decode_ms_per_token_p50")):
         df[f"{phase}_speedup"] = b[col] / df[col] if col in df else float("nan")
@@ -51,7 +58,7 @@ def _fmt(value, fmt: str) -> str:
 
 
 def markdown_table(df: pd.DataFrame, columns=TABLE_COLUMNS) -> str:
-    cols = [c for c in columns if c[0] in df.columns]
+    cols = [c for c in columns if c[0] in df.columns and df[c[0]].notna().any()]
     lines = ["| " + " | ".join(h for _, h, _ in cols) + " |", "|" + "---|" * len(cols)]
     for _, row in df.iterrows():
         lines.append("| " + " | ".join(_fmt(row[c], f) for c, _, f in cols) + " |")
@@ -60,6 +67,17 @@ def markdown_table(df: pd.DataFrame, columns=TABLE_COLUMNS) -> str:
 
 def protocol_text(df: pd.DataFrame) -> str:
     r = df.iloc[0]
+    if r.get("eval_metric") == "embedding":
+        text = (
+            f"**Protocol.** Embedding fidelity on {r['eval_dataset']} `{r['eval_split']}` ({r['eval_source']}): "
+            f"the first {int(r['sentences'])} sentences (≥ 6 words, headings skipped), at most {int(r['max_length'])} "
+            "tokens each, mean-pooled last hidden states; cosine similarity to the baseline's embedding per "
+            "sentence (mean and 5th percentile). Layer rel err: ‖y − y_ref‖/‖y_ref‖ of each quantized linear's "
+            "output, both models run end to end on the first 32 sentences."
+        )
+        if "prefill_tokens" in df and pd.notna(r.get("prefill_tokens")):
+            text += f" Latency: one forward of {int(r['prefill_tokens'])} tokens, median of {int(r['latency_repeats'])} repeats."
+        return text + _calibration_text(df)
     text = (
         f"**Protocol.** Perplexity on {r['eval_dataset']} `{r['eval_split']}` ({r['eval_source']}), "
         f"BOS: {r['bos']}, {int(r['eval_windows'])} non-overlapping windows of seq_len {int(r['seq_len'])} "
@@ -70,7 +88,15 @@ def protocol_text(df: pd.DataFrame) -> str:
     if "prefill_tokens" in df and pd.notna(r.get("prefill_tokens")):
         text += (f" Latency: prefill {int(r['prefill_tokens'])} tokens, greedy decode {int(r['decode_tokens'])} "
                  f"tokens, batch {int(r['batch_size'])}, median of {int(r['latency_repeats'])} repeats after warm-up.")
-    return text
+    return text + _calibration_text(df)
+
+
+def _calibration_text(df: pd.DataFrame) -> str:
+    if "calib_samples" not in df or df["calib_samples"].isna().all():
+        return ""
+    r = df[df["calib_samples"].notna()].iloc[0]
+    return (f" Calibration (methods that use data): {int(r['calib_samples'])} windows of {int(r['calib_seq_len'])} "
+            f"tokens at seeded random offsets of {r['calib_source']} (never the test split).")
 
 
 def environment_text(df: pd.DataFrame) -> str:

@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 from .api import quantize
-from .data import calibration_windows, eval_windows, load_token_ids
+from .data import calibration_windows, eval_windows, load_text, load_token_ids, tokenize
 from .envinfo import environment
 from .eval import measure_latency, peak_memory_mib, perplexity, reference_logprobs, reset_peak_memory, weight_stats
+from .eval.embedding import embedding_fidelity, layer_output_errors, mean_pooled_embeddings, sentences_from_text
 from .experiment import Experiment, RunSpec
 from .models import load_model, model_info, resolve_device
 from .registry import get_method
@@ -36,7 +37,7 @@ def _scheme(cfg: dict, dtype: str) -> str:
 
 
 def run_key(exp: Experiment, run: RunSpec, device: torch.device) -> str:
-    needs_calib = get_method(run.config).needs_calibration
+    needs_calib = get_method(run.config).needs_calibration_for(run.config)
     ident = {
         "run": run.to_dict(), "model": exp.model, "dtype": exp.dtype, "seed": exp.seed, "device": device.type,
         "eval": dataclasses.asdict(exp.eval),
@@ -70,22 +71,55 @@ class _Context:
     def __init__(self, exp: Experiment, device, data_dir, cache_dir, progress: bool):
         self.exp, self.device, self.data_dir, self.cache_dir, self.progress = exp, device, data_dir, cache_dir, progress
         self.model, self.tokenizer = load_model(exp.model, exp.dtype, str(device), cache_dir)
-        info = model_info(self.model)
-        if info["max_positions"] and exp.eval.seq_len > info["max_positions"]:
-            raise ValueError(f"eval.seq_len={exp.eval.seq_len} exceeds the model's max positions ({info['max_positions']})")
-        ids, self.eval_source = load_token_ids(exp.eval.dataset, exp.eval.split, self.tokenizer, data_dir, cache_dir)
-        self.eval_ids = ids
-        self.windows = eval_windows(ids, exp.eval.seq_len, exp.eval.max_windows, exp.eval.max_tokens)
-        k = min(exp.eval.kl_windows, len(self.windows))
-        self.reference = reference_logprobs(self.model, self.windows[:k], progress) if k else None
+        self.max_positions = model_info(self.model)["max_positions"]
+        length = exp.eval.seq_len if exp.eval.metric == "perplexity" else exp.eval.max_length
+        self._check_length("eval", length)
+        e = exp.eval
+        if e.metric == "embedding":
+            text, self.eval_source = load_text(e.dataset, e.split, data_dir)
+            self.sentences = sentences_from_text(text, e.num_sentences)
+            self.eval_ids = tokenize(" ".join(self.sentences), self.tokenizer, cache_dir)
+            self.reference = mean_pooled_embeddings(self.model, self.tokenizer, self.sentences, e.max_length,
+                                                    progress=progress)
+            self.error_batch = self.tokenizer(self.sentences[:32], padding=True, truncation=True,
+                                              max_length=e.max_length, return_tensors="pt")
+        else:
+            self.eval_ids, self.eval_source = load_token_ids(e.dataset, e.split, self.tokenizer, data_dir, cache_dir)
+            self.windows = eval_windows(self.eval_ids, e.seq_len, e.max_windows, e.max_tokens)
+            k = min(e.kl_windows, len(self.windows))
+            self.reference = reference_logprobs(self.model, self.windows[:k], progress) if k else None
         self._calib = None
+
+    def _check_length(self, what: str, length: int) -> None:
+        if self.max_positions and length > self.max_positions:
+            raise ValueError(f"{what} length {length} exceeds the model's max positions ({self.max_positions})")
 
     def calibration(self) -> torch.Tensor:
         if self._calib is None:
             c = self.exp.calibration
+            self._check_length("calibration.seq_len", c.seq_len)
             ids, self.calib_source = load_token_ids(c.dataset, c.split, self.tokenizer, self.data_dir, self.cache_dir)
             self._calib = calibration_windows(ids, c.num_samples, c.seq_len, self.exp.seed)
         return self._calib
+
+
+def _perplexity_metrics(ctx: _Context, model) -> dict:
+    ppl = perplexity(model, ctx.windows, ctx.reference, ctx.progress)
+    return {"ppl": ppl["ppl"], "nll_mean": ppl["nll_mean"], "kl_mean": ppl.get("kl_mean"),
+            "top1_agree": ppl.get("top1_agree"), "kl_tokens": ppl.get("kl_tokens", 0),
+            "predicted_tokens": ppl["predicted_tokens"], "eval_windows": len(ctx.windows),
+            "eval_tokens": ctx.windows.numel(), "seq_len": ctx.exp.eval.seq_len}
+
+
+def _embedding_metrics(ctx: _Context, model) -> dict:
+    e = ctx.exp.eval
+    emb = mean_pooled_embeddings(model, ctx.tokenizer, ctx.sentences, e.max_length, progress=ctx.progress)
+    errors = layer_output_errors(model, ctx.model, ctx.error_batch) if model is not ctx.model else {}
+    values = list(errors.values())
+    return {**embedding_fidelity(ctx.reference, emb), "max_length": e.max_length,
+            "layer_rel_err_mean": sum(values) / len(values) if values else 0.0,
+            "layer_rel_err_max": max(values, default=0.0),
+            "layer_rel_err": json.dumps({k: round(v, 6) for k, v in errors.items()})}
 
 
 def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
@@ -93,24 +127,23 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
     torch.manual_seed(exp.seed)
     model = copy.deepcopy(ctx.model)
     method = get_method(run.config)
-    calib = [w.unsqueeze(0) for w in ctx.calibration()] if method.needs_calibration else None
+    needs_calib = method.needs_calibration_for(run.config)
+    calib = [w.unsqueeze(0) for w in ctx.calibration()] if needs_calib else None
     summary = quantize(model, run.config, calibration=calib)
     reset_peak_memory(ctx.device)
     t0 = time.perf_counter()
-    ppl = perplexity(model, ctx.windows, ctx.reference, ctx.progress)
-    eval_s = time.perf_counter() - t0
-    row = {"ppl": ppl["ppl"], "nll_mean": ppl["nll_mean"], "kl_mean": ppl.get("kl_mean"),
-           "top1_agree": ppl.get("top1_agree"), "kl_tokens": ppl.get("kl_tokens", 0), "eval_s": eval_s}
+    row = (_embedding_metrics if exp.eval.metric == "embedding" else _perplexity_metrics)(ctx, model)
+    row["eval_s"] = time.perf_counter() - t0
     if exp.eval.latency:
         prompt = ctx.eval_ids[: exp.eval.prefill_tokens].unsqueeze(0)
-        row.update(measure_latency(model, prompt, exp.eval.decode_tokens, repeats=exp.eval.latency_repeats))
+        new_tokens = exp.eval.decode_tokens if exp.eval.metric == "perplexity" else 0
+        row.update(measure_latency(model, prompt, new_tokens, repeats=exp.eval.latency_repeats))
     row.update(peak_memory_mib(ctx.device))
     row.update(weight_stats(model))
     row.update({k: v for k, v in summary.items() if k.endswith("_s")})
-    if method.needs_calibration:
+    if needs_calib:
         c = exp.calibration
         row.update(calib_source=ctx.calib_source, calib_samples=c.num_samples, calib_seq_len=c.seq_len)
-    row["predicted_tokens"] = ppl["predicted_tokens"]
     del model
     return row
 
@@ -148,9 +181,8 @@ def run_experiment(
                 **metrics,
                 "backend": "float" if cfg["method"] == "none" else "simulated (PyTorch dequant on the fly)",
                 "model": exp.model, "dtype": exp.dtype, "seed": exp.seed,
-                "eval_dataset": exp.eval.dataset, "eval_split": exp.eval.split, "eval_source": ctx.eval_source,
-                "bos": "none", "seq_len": exp.eval.seq_len, "eval_windows": len(ctx.windows),
-                "eval_tokens": ctx.windows.numel(), **env,
+                "eval_metric": exp.eval.metric, "eval_dataset": exp.eval.dataset, "eval_split": exp.eval.split,
+                "eval_source": ctx.eval_source, "bos": "none", **env,
                 "config": json.dumps(cfg, sort_keys=True),
                 "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "run_key": run_key(exp, run, device),

@@ -49,8 +49,10 @@ def test_latency_reports_percentiles_and_token_counts(tiny_model):
     r = measure_latency(model, _windows(1, 16), new_tokens=5, warmup=1, repeats=3)
     assert r["prefill_ms_p50"] <= r["prefill_ms_p90"] and r["decode_ms_per_token_p50"] <= r["decode_ms_per_token_p90"]
     assert r["decode_tokens"] == 5 and r["prefill_tokens"] == 16 and r["decode_tokens_per_s"] > 0
-    with pytest.raises(ValueError, match="new_tokens must be >= 1"):
-        measure_latency(model, _windows(1, 16), new_tokens=0)
+    with pytest.raises(ValueError, match="new_tokens >= 0, got 3 and -1"):
+        measure_latency(model, _windows(1, 16), new_tokens=-1)
+    prefill_only = measure_latency(model, _windows(2, 16), new_tokens=0, repeats=2)
+    assert prefill_only["batch_size"] == 2 and "decode_ms_per_token_p50" not in prefill_only
 
 
 def test_weight_stats_count_tied_embeddings_once_and_real_codes(tiny_model):

@@ -33,9 +33,11 @@ def _cache_kwarg(model) -> str:
 def _one_pass(model, prompt: torch.Tensor, new_tokens: int, device) -> tuple[float, list[float]]:
     _sync(device)
     t0 = time.perf_counter()
-    out = model(prompt, use_cache=True)
+    out = model(prompt, use_cache=True) if new_tokens else model(prompt)  # 0 new tokens: encoders, prefill only
     _sync(device)
     prefill_ms = (time.perf_counter() - t0) * 1e3
+    if not new_tokens:
+        return prefill_ms, []
     cache_arg, step_ms = _cache_kwarg(model), []
     cache, nxt = getattr(out, cache_arg), out.logits[:, -1:].argmax(-1)
     for _ in range(new_tokens):
@@ -53,8 +55,8 @@ def measure_latency(model, prompt: torch.Tensor, new_tokens: int = 32, warmup: i
 
     >>> measure_latency(model, ids[:128].unsqueeze(0), new_tokens=16)["decode_ms_per_token_p50"]
     """
-    if repeats < 1 or new_tokens < 1:
-        raise ValueError(f"repeats and new_tokens must be >= 1, got {repeats} and {new_tokens}")
+    if repeats < 1 or new_tokens < 0:
+        raise ValueError(f"repeats must be >= 1 and new_tokens >= 0, got {repeats} and {new_tokens}")
     device = next(model.parameters()).device
     prompt = prompt.to(device)
     model.eval()
@@ -65,16 +67,20 @@ def measure_latency(model, prompt: torch.Tensor, new_tokens: int = 32, warmup: i
         p, s = _one_pass(model, prompt, new_tokens, device)
         prefill.append(p)
         steps.extend(s)
-    decode_p50 = statistics.median(steps)
-    return {
+    out = {
         "prefill_tokens": prompt.shape[1],
         "batch_size": prompt.shape[0],
-        "decode_tokens": new_tokens,
         "prefill_ms_p50": statistics.median(prefill),
         "prefill_ms_p90": _percentile(prefill, 0.9),
+        "latency_repeats": repeats,
+        "cpu_threads": torch.get_num_threads(),
+    }
+    if not steps:
+        return out
+    decode_p50 = statistics.median(steps)
+    return out | {
+        "decode_tokens": new_tokens,
         "decode_ms_per_token_p50": decode_p50,
         "decode_ms_per_token_p90": _percentile(steps, 0.9),
         "decode_tokens_per_s": 1e3 * prompt.shape[0] / decode_p50,
-        "latency_repeats": repeats,
-        "cpu_threads": torch.get_num_threads(),
     }

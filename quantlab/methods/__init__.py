@@ -2,4 +2,5 @@
 
 Adding a method: one file here, one import line below, one test file.
 """
-from . import none, rtn  # noqa: F401
+from . import gptq, none, rtn  # noqa: F401
+from . import dynamic, smoothquant, static  # noqa: F401

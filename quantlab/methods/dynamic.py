@@ -1,0 +1,75 @@
+"""`dynamic`: weight quantization by a base method + dynamic per-token activation quantization.
+
+With the defaults this is W8A8 dynamic: int8 per-channel symmetric weights (RTN) and
+int8 per-token symmetric activations whose scales are computed on the fly.
+
+    [[run]]
+    name = "w4a8-gptq"
+    method = "dynamic"
+    base = {method = "gptq", bits = 4, group_size = 64}
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..activations import DynamicActQuant, attach_act_quant, check_act_bits
+from ..registry import Method, as_config, get_method, known_methods, register_method
+from .rtn import RTNConfig
+
+
+def quantizes_activations(method: Method) -> bool:
+    return getattr(method, "quantizes_activations", False)
+
+
+def needs_calibration(config: Any) -> bool:
+    """Whether `config` needs calibration data (its method may defer to its own base)."""
+    return get_method(config).needs_calibration_for(config)
+
+
+def as_weight_base(value: Any, owner: str) -> Any:
+    """A weight-only base config (dict from TOML or config object), or a ValueError listing the valid methods."""
+    config = as_config(value, "base")
+    method = get_method(config)
+    if method.name == "none" or quantizes_activations(method):
+        valid = [m for m in known_methods() if m != "none" and not quantizes_activations(get_method(m))]
+        raise ValueError(f"{owner}: base must be a weight quantization method ({', '.join(valid)}), got {method.name!r}")
+    return config
+
+
+@dataclass(frozen=True)
+class DynamicConfig:
+    """act_bits 4..8, per-token; base: the weight method's config (default RTN int8 per-channel sym)."""
+
+    act_bits: int = 8
+    act_symmetric: bool = True
+    base: Any = RTNConfig(bits=8)
+
+    def __post_init__(self):
+        check_act_bits(self.act_bits, self.act_symmetric)
+        object.__setattr__(self, "base", as_weight_base(self.base, "dynamic"))
+
+
+@register_method
+class Dynamic(Method):
+    """prepare / calibrate / convert delegate to the base method; convert then adds DynamicActQuant.
+    Needs calibration data exactly when the base does (e.g. gptq)."""
+
+    name = "dynamic"
+    config_cls = DynamicConfig
+    needs_calibration = False
+    quantizes_activations = True
+
+    def needs_calibration_for(self, config: DynamicConfig) -> bool:
+        return needs_calibration(config.base)
+
+    def prepare(self, model, config: DynamicConfig) -> None:
+        get_method(config.base).prepare(model, config.base)
+
+    def calibrate(self, model, config: DynamicConfig, batches) -> None:
+        if needs_calibration(config.base):
+            get_method(config.base).calibrate(model, config.base, batches)
+
+    def convert(self, model, config: DynamicConfig) -> None:
+        get_method(config.base).convert(model, config.base)
+        attach_act_quant(model, lambda name: DynamicActQuant(config.act_bits, config.act_symmetric), self.name)

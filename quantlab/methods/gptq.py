@@ -1,0 +1,159 @@
+"""`gptq`: GPTQ (Frantar et al. 2022), layer-wise second-order weight quantization.
+
+For each linear, with H = 2/n Σ xᵀx from calibration inputs, quantize columns one by
+one and push each column's error onto the not-yet-quantized columns through the
+inverse Hessian (upper Cholesky factor), with lazy block updates. Blocks are
+processed in order, so each sees inputs from already-quantized earlier blocks;
+within a block, `true_sequential` quantizes the table's stages (q/k/v, o,
+gate/up, down) one after another.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..arch import ARCH
+from ..blocks import for_each_block, run_block
+from ..observers import HessianObserver, attach_input_observers
+from ..primitives import QParams, code_range
+from ..qlinear import QuantLinear, WeightSpec
+from ..registry import Method, register_method
+from .rtn import RTNConfig, freeze_all, swap_in_quant_linears
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GPTQConfig(RTNConfig):
+    """RTN's grid (bits, group_size, symmetric, scale_dtype, include, exclude) plus GPTQ's solver knobs."""
+
+    block_size: int = 128  # columns per lazy batch update
+    damp: float = 0.01  # fraction of mean(diag H) added to the diagonal
+    act_order: bool = False  # columns in order of decreasing diag(H); groups stay contiguous (static groups)
+    true_sequential: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if not 0 < self.damp < 1:
+            raise ValueError(f"damp must be in (0, 1), got {self.damp!r}")
+
+
+def _upper_cholesky_of_inverse(h: torch.Tensor, damp: float, where: str) -> torch.Tensor:
+    """U with Uᵀ U = (H + λI)⁻¹, λ = damp·mean(diag H); λ grows ×10 on failure (logged)."""
+    mean_diag = torch.diag(h).mean()
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    for attempt in range(6):
+        try:
+            lower = torch.linalg.cholesky(h + damp * mean_diag * eye)
+            return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+        except torch.linalg.LinAlgError:
+            log.warning("%s: Cholesky failed with damp=%g; retrying with damp=%g", where, damp, damp * 10)
+            damp *= 10
+    raise ValueError(f"{where}: Hessian is not positive definite even with damp={damp / 10:g}")
+
+
+@torch.no_grad()
+def gptq_solve(
+    w: torch.Tensor, h: torch.Tensor, spec: WeightSpec, block_size: int = 128, damp: float = 0.01,
+    act_order: bool = False, where: str = "layer",
+) -> tuple[torch.Tensor, QParams]:
+    """Quantize W (out, in) against Hessian H (in, in). Returns (Q on the grid, qparams (out, n_groups)).
+
+    Pure: inputs are not modified. With H = I it reduces exactly to RTN.
+
+    >>> q, p = gptq_solve(layer.weight, 2 * x.T @ x / len(x), WeightSpec(4, 64))
+    """
+    if not torch.isfinite(h).all():
+        raise ValueError(f"{where}: Hessian has NaN/Inf entries")
+    w, h = w.detach().clone().float(), h.detach().clone().float()
+    n_cols = w.shape[1]
+    dead = torch.diag(h) == 0  # columns no calibration input ever reached
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    g = spec.group_size or n_cols
+    static = spec.qparams(w)  # per-channel params, or act_order's groups fixed up front
+    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(n_cols, device=w.device)
+    w, h = w[:, perm], h[perm][:, perm]
+    hinv = _upper_cholesky_of_inverse(h, damp, where)
+    dynamic = spec.group_size is not None and not act_order
+    scales, zeros = static.scale.clone(), None if static.zero is None else static.zero.clone()
+    qmin, qmax = code_range(spec.bits, spec.symmetric)
+    group_of = (perm // g).tolist()  # each (permuted) column's group in the original column order
+    q_all = torch.zeros_like(w)
+    for i1 in range(0, n_cols, block_size):
+        i2 = min(i1 + block_size, n_cols)
+        w1, err1 = w[:, i1:i2].clone(), torch.zeros(w.shape[0], i2 - i1, device=w.device)
+        for i in range(i2 - i1):
+            col = i1 + i
+            if dynamic and col % g == 0:  # group params from the error-updated weights of the group's columns
+                p = spec.qparams(torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :g])
+                scales[:, col // g] = p.scale[:, 0]
+                if zeros is not None:
+                    zeros[:, col // g] = p.zero[:, 0]
+            if i == 0 or col % g == 0 or act_order:
+                group = group_of[col]
+                s = scales[:, group].float()
+                z = torch.zeros_like(s) if zeros is None else zeros[:, group].float()
+            # the same float ops as primitives.quantize/dequantize, inlined for speed: bitwise equal results
+            q = (torch.clamp(torch.round(w1[:, i] / s) + z, qmin, qmax) - z) * s
+            q_all[:, col] = q
+            err = (w1[:, i] - q) / hinv[col, col]
+            w1[:, i:].addr_(err, hinv[col, col:i2], alpha=-1)  # rank-1 update of the block's remaining columns
+            err1[:, i] = err
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    inverse = torch.argsort(perm)
+    return q_all[:, inverse], QParams(scales, zeros)
+
+
+def _stages(block, config: GPTQConfig, model_type: str | None) -> list[list[str]]:
+    """Names (relative to the block) of selected QuantLinear layers, in quantization stages."""
+    layers = [n for n, m in block.named_modules() if isinstance(m, QuantLinear)]
+    if not config.true_sequential or model_type not in ARCH:
+        return [layers]
+    stages = [[c for c in group.consumers if c in layers] for group in ARCH[model_type]["groups"]]
+    stages = [s for i, s in enumerate(stages) if s and s not in stages[:i]]
+    rest = [n for n in layers if not any(n in s for s in stages)]
+    return stages + ([rest] if rest else [])
+
+
+@register_method
+class GPTQ(Method):
+    name = "gptq"
+    config_cls = GPTQConfig
+    needs_calibration = True
+
+    def prepare(self, model, config: GPTQConfig) -> None:
+        swap_in_quant_linears(model, config.selection, config.weight_spec)
+
+    def calibrate(self, model, config: GPTQConfig, batches) -> None:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        prefix = {id(m): n for n, m in model.named_modules()}
+
+        def process(index, block, inputs, kwargs):
+            stages = _stages(block, config, model_type)
+            layers = {n: block.get_submodule(n) for stage in stages for n in stage}
+            for layer in layers.values():
+                layer.quant_enabled = False  # Hessians from float weights of this and later stages
+            for stage in stages:
+                observers, remove = attach_input_observers({n: layers[n] for n in stage}, lambda n: HessianObserver())
+                try:
+                    run_block(block, inputs, kwargs)
+                finally:
+                    remove()
+                for name in stage:
+                    layer, where = layers[name], f"{prefix[id(block)]}.{name}"
+                    q, p = gptq_solve(layer.weight, observers[name].compute(where), config.weight_spec,
+                                      config.block_size, config.damp, config.act_order, where)
+                    layer.weight.data.copy_(q.to(layer.weight.dtype))
+                    layer.fixed_qparams = p
+                    layer.quant_enabled = True
+
+        for_each_block(model, batches, process, desc="gptq")
+
+    def convert(self, model, config: GPTQConfig) -> None:
+        freeze_all(model)

@@ -1,0 +1,139 @@
+"""`static`: weight quantization by a base method + static activation quantization from calibration ranges.
+
+After the base's prepare/calibrate, an observer watches the input of every QuantLinear's
+activation quantizer (after any smoothing input_scale) over the calibration batches; its
+range becomes fixed qparams (StaticActQuant). Defaults: W8A8 with int8 per-channel sym
+weights (RTN) and int8 per-tensor *asymmetric* activations (min-max range): inputs such as
+down_proj's (SiLU-gated) or OPT fc2's (ReLU) are far from symmetric, so a zero point uses
+the 256 codes better; per-tensor asymmetric int8 is also what integer kernels take.
+
+calibrate() iterates the calibration batches twice when the base needs data (the base's
+own pass, then the one calibration loop here); a one-shot iterator is first turned into a list.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..activations import StaticActQuant, check_act_bits
+from ..api import quant_linears, run_calibration
+from ..observers import Observer, attach_input_observers, make_observer
+from ..registry import Method, get_method, register_method
+from .dynamic import as_weight_base, needs_calibration
+from .rtn import RTNConfig
+
+ACT_OBSERVERS = ("minmax", "moving_average", "percentile", "mse")
+ACT_GRANULARITIES = ("tensor", "channel")
+
+
+@dataclass(frozen=True)
+class StaticConfig:
+    """act_bits 4..8; act_granularity tensor | channel; observer minmax | moving_average | percentile | mse."""
+
+    act_bits: int = 8
+    act_symmetric: bool = False
+    act_granularity: str = "tensor"
+    observer: str = "minmax"
+    percentile: float = 99.99  # used by observer = "percentile"
+    base: Any = RTNConfig(bits=8)
+
+    def __post_init__(self):
+        check_act_bits(self.act_bits, self.act_symmetric)
+        if self.act_granularity not in ACT_GRANULARITIES:
+            raise ValueError(f"unknown act_granularity {self.act_granularity!r}; known: {', '.join(ACT_GRANULARITIES)}")
+        if self.observer not in ACT_OBSERVERS:
+            raise ValueError(f"unknown observer {self.observer!r}; known: {', '.join(ACT_OBSERVERS)}")
+        p = self.percentile
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 50 < p <= 100:
+            raise ValueError(f"percentile must be a number in (50, 100], got {p!r}")
+        object.__setattr__(self, "base", as_weight_base(self.base, "static"))
+
+
+def observer_factory(config: StaticConfig) -> Callable[[str], Observer]:
+    """name -> a fresh observer for that module's activations, as the config asks."""
+    per_channel = config.act_granularity == "channel"
+    extra = {
+        "minmax": {},
+        "moving_average": {},
+        "percentile": {"percentile": config.percentile},
+        "mse": {"bits": config.act_bits, "symmetric": config.act_symmetric},
+    }[config.observer]
+
+    def make(name: str) -> Observer:
+        where = {} if config.observer == "minmax" else {"where": name}  # MinMaxObserver takes no `where`
+        return make_observer(config.observer, per_channel=per_channel, **extra, **where)
+
+    return make
+
+
+def observe_activations(
+    model: nn.Module, batches, factory: Callable[[str], Observer]
+) -> dict[str, Observer]:
+    """One calibration loop with an observer on what each QuantLinear's act_quant would see.
+
+    The observers hook a temporary nn.Identity in the act_quant slot, so they see the input
+    after QuantLinear.input_scale. Returns {module name: observer}; export with
+    observers.export_stats(result).
+    """
+    layers = quant_linears(model)
+    if not layers:
+        raise ValueError("static: the model has no QuantLinear layers to observe")
+    for layer in layers.values():
+        layer.act_quant = nn.Identity()
+    try:
+        observers, remove = attach_input_observers({n: m.act_quant for n, m in layers.items()}, factory)
+        try:
+            run_calibration(model, batches, desc="observe activations")
+        finally:
+            remove()
+    finally:
+        for layer in layers.values():
+            layer.act_quant = None
+    return observers
+
+
+def observed_range(name: str, observer: Observer) -> tuple[torch.Tensor, torch.Tensor]:
+    """observer.range(), with errors (no data, NaN/Inf) naming the module."""
+    try:
+        return observer.range()
+    except ValueError as e:
+        msg = str(e)
+        raise ValueError(msg if name in msg else f"{name}: {msg}") from None
+
+
+def set_static_act_quant(model: nn.Module, observers: dict[str, Observer], bits: int, symmetric: bool) -> None:
+    """Give every observed QuantLinear a StaticActQuant covering its observer's range."""
+    for name, layer in quant_linears(model).items():
+        if name not in observers:
+            raise ValueError(f"static: no activation statistics for {name}")
+        lo, hi = observed_range(name, observers[name])
+        layer.act_quant = StaticActQuant.from_range(lo, hi, bits, symmetric)
+
+
+@register_method
+class Static(Method):
+    name = "static"
+    config_cls = StaticConfig
+    needs_calibration = True
+    quantizes_activations = True
+
+    def prepare(self, model, config: StaticConfig) -> None:
+        get_method(config.base).prepare(model, config.base)
+
+    def calibrate(self, model, config: StaticConfig, batches) -> None:
+        batches = batches if isinstance(batches, (list, tuple)) else list(batches)
+        if needs_calibration(config.base):
+            get_method(config.base).calibrate(model, config.base, batches)
+        # weights are final after the base's calibrate (fake-quant forward == frozen forward), so the
+        # ranges observed here are those the converted model's activations will have
+        observers = observe_activations(model, batches, observer_factory(config))
+        set_static_act_quant(model, observers, config.act_bits, config.act_symmetric)
+
+    def convert(self, model, config: StaticConfig) -> None:
+        missing = [n for n, m in quant_linears(model).items() if not isinstance(m.act_quant, StaticActQuant)]
+        if missing:
+            raise ValueError(f"static: calibrate() must run before convert(); no activation qparams for {missing[0]}")
+        get_method(config.base).convert(model, config.base)
