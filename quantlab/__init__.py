@@ -9,8 +9,13 @@ from .api import quantize, run_calibration, select_linears
 from .data import calibration_windows, eval_windows, load_token_ids
 from .eval import measure_latency, perplexity, reference_logprobs, weight_stats
 from .experiment import load_experiment, parse_experiment
+from .methods.awq import AWQConfig
+from .methods.dynamic import DynamicConfig
+from .methods.gptq import GPTQConfig
 from .methods.none import NoneConfig
 from .methods.rtn import RTNConfig
+from .methods.smoothquant import SmoothQuantConfig
+from .methods.static import StaticConfig
 from .models import load_model, model_info
 from .qlinear import QuantLinear, WeightSpec
 from .registry import get_method, known_methods, make_config
@@ -19,6 +24,6 @@ from .runner import run_experiment
 __all__ = [
     "quantize", "run_calibration", "select_linears", "calibration_windows", "eval_windows", "load_token_ids",
     "measure_latency", "perplexity", "reference_logprobs", "weight_stats", "load_experiment", "parse_experiment",
-    "NoneConfig", "RTNConfig", "load_model", "model_info", "QuantLinear", "WeightSpec", "get_method",
+    "NoneConfig", "RTNConfig", "GPTQConfig", "AWQConfig", "DynamicConfig", "StaticConfig", "SmoothQuantConfig", "load_model", "model_info", "QuantLinear", "WeightSpec", "get_method",
     "known_methods", "make_config", "run_experiment",
 ]

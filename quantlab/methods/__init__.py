@@ -2,5 +2,4 @@
 
 Adding a method: one file here, one import line below, one test file.
 """
-from . import gptq, none, rtn  # noqa: F401
-from . import dynamic, smoothquant, static  # noqa: F401
+from . import awq, dynamic, gptq, none, rtn, smoothquant, static  # noqa: F401
