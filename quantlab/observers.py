@@ -23,8 +23,8 @@ class Observer:
 
     name = ""
 
-    def update(self, x: torch.Tensor) -> None:
-        raise NotImplementedError
+    def update(self, x: torch.Tensor) -> None:  # abstract: every observer defines it
+        raise NotImplementedError(f"{type(self).__name__} must implement update()")
 
     def state(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}

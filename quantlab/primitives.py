@@ -39,12 +39,6 @@ def n_groups(k: int, group_size: int | None) -> int:
     return 1 if group_size is None else math.ceil(k / group_size)
 
 
-def expand_groups(t: torch.Tensor, k: int, group_size: int | None) -> torch.Tensor:
-    """(..., n_groups) -> (..., k): each group's value repeated over its columns."""
-    g = k if group_size is None else group_size
-    return t.repeat_interleave(g, dim=-1)[..., :k]
-
-
 def _grouped(x: torch.Tensor, group_size: int | None) -> torch.Tensor:
     """(..., K) -> (..., n_groups, g), the ragged tail padded with zeros.
 
