@@ -10,6 +10,7 @@ and re-applied. Searching (what range to use) is separate from applying it.
 """
 from __future__ import annotations
 
+import abc
 from typing import Callable
 
 import torch
@@ -18,13 +19,14 @@ from torch import nn
 from .primitives import fake_quantize, qparams_from_range
 
 
-class Observer:
+class Observer(abc.ABC):
     """Base: update(x) per batch; state() / load_state() for export."""
 
     name = ""
 
-    def update(self, x: torch.Tensor) -> None:  # abstract: every observer defines it
-        raise NotImplementedError(f"{type(self).__name__} must implement update()")
+    @abc.abstractmethod
+    def update(self, x: torch.Tensor) -> None:
+        """Fold one batch of activations (..., C) into the statistics."""
 
     def state(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
