@@ -29,12 +29,34 @@ from .report import scheme, write_report
 log = logging.getLogger(__name__)
 
 
+def non_default_fields(obj) -> dict:
+    """A dataclass's fields that differ from their defaults (nested dataclasses likewise), as plain data.
+
+    Run keys hash this, so adding a field with a default to a config or protocol never
+    changes the key of a run that does not set it (finished rows stay finished).
+    """
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        if value == default:
+            continue
+        out[f.name] = non_default_fields(value) if dataclasses.is_dataclass(value) else value
+    return out
+
+
 def run_key(exp: Experiment, run: RunSpec, device: torch.device) -> str:
     needs_calib = get_method(run.config).needs_calibration_for(run.config)
     ident = {
-        "run": run.to_dict(), "model": exp.model, "dtype": exp.dtype, "seed": exp.seed, "device": device.type,
-        "eval": dataclasses.asdict(exp.eval),
-        "calibration": dataclasses.asdict(exp.calibration) if needs_calib else None,
+        "run": {"name": run.name, "method": get_method(run.config).name, **non_default_fields(run.config)},
+        "model": exp.model, "dtype": exp.dtype, "seed": exp.seed, "device": device.type,
+        "eval": non_default_fields(exp.eval),
+        "calibration": non_default_fields(exp.calibration) if needs_calib else None,
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

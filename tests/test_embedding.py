@@ -63,7 +63,8 @@ def test_runner_embedding_metric_on_tiny_bert(tiny_bert_dir, tmp_path):
     df = pd.read_csv(tmp_path / "tiny_bert.csv")
     assert df["cos_mean"].iloc[0] == pytest.approx(1.0, abs=1e-6)
     assert df["cos_mean"].iloc[1] > df["cos_mean"].iloc[2] and df["cos_mean"].iloc[2] < 1 - 1e-5
-    assert (df["cos_p5"] <= df["cos_mean"] + 1e-9).all() and df["layer_rel_err_max"].iloc[2] > df["layer_rel_err_max"].iloc[1]
+    # p5 is not bounded by the mean in general; where all sentences agree they match to fp32 rounding
+    assert (df["cos_p5"] <= df["cos_mean"] + 1e-6).all() and df["layer_rel_err_max"].iloc[2] > df["layer_rel_err_max"].iloc[1]
     assert "calib_samples" in df and df["calib_samples"].iloc[3] == 4
     assert df["layer_rel_err_mean"].iloc[3] < df["layer_rel_err_mean"].iloc[2]  # GPTQ below RTN at the same bits
     md = (tmp_path / "tiny_bert.md").read_text()

@@ -131,3 +131,18 @@ group_size = 16
     assert main(["run", str(exp_file), "--reports-dir", str(tmp_path)]) == 1
     assert "unknown method 'rtm'; known: " in capsys.readouterr().err
     assert main(["run", str(tmp_path / "missing.toml")]) == 1
+
+
+def test_run_key_ignores_fields_left_at_their_defaults(tiny_model_dir):
+    """Spelling out a default is the same run: adding a defaulted field to a config keeps old keys valid."""
+    import torch
+
+    plain = _experiment(tiny_model_dir, runs=[{"name": "w4", "method": "rtn", "bits": 4}])
+    spelled = _experiment(tiny_model_dir, runs=[{"name": "w4", "method": "rtn", "bits": 4, "symmetric": True,
+                                                 "scale_dtype": "float16", "exclude": ["lm_head"]}])
+    other = _experiment(tiny_model_dir, runs=[{"name": "w4", "method": "rtn", "bits": 4, "symmetric": False}])
+    cpu = torch.device("cpu")
+    key = runner.run_key(plain, plain.runs[0], cpu)
+    assert key == runner.run_key(spelled, spelled.runs[0], cpu)
+    assert key != runner.run_key(other, other.runs[0], cpu)
+    assert runner.non_default_fields(other.runs[0].config) == {"symmetric": False}  # bits = 4 is the default
