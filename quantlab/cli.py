@@ -1,6 +1,8 @@
 """`quantlab` command line: parses arguments and calls the library, nothing more.
 
     quantlab run experiments/smollm2_quickstart.toml [--full] [--force]
+    quantlab report reports/smollm2_quickstart.results.jsonl [--out DIR]
+    quantlab compare A.csv B.csv [--out diff.md]
     quantlab list
     quantlab info smollm2-135m
 """
@@ -27,6 +29,31 @@ def _cmd_run(args) -> int:
     print(f"wrote {args.reports_dir}/{exp.name}.csv and .md ({len(df)} rows)")
     cols = [c for c in ("run", "scheme", "ppl", "ppl_delta_pct", "kl_mean", "weight_mib", "bits_per_weight") if c in df]
     print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from .experiment import load_experiment
+    from .regenerate import regenerate_report
+
+    description = None
+    if args.experiment:  # supplies the description for results written before the sidecar existed
+        exp = load_experiment(args.experiment)
+        description = exp.description
+    df = regenerate_report(args.results, args.out, description)
+    print(f"wrote {len(df)} rows to {args.out or 'the results folder'}")
+    return 0
+
+
+def _cmd_compare(args) -> int:
+    from .compare import compare_markdown, compare_reports
+
+    metrics = args.metrics.split(",") if args.metrics else None
+    text = compare_markdown(compare_reports(args.a, args.b, metrics), args.a, args.b)
+    print(text, end="")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
     return 0
 
 
@@ -67,6 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", help="override the experiment's device (auto, cpu, cuda)")
     p.add_argument("--reports-dir", default="reports")
     p.set_defaults(func=_cmd_run)
+    p = sub.add_parser("report", help="regenerate CSV, Markdown and plots from a results file (runs nothing)")
+    p.add_argument("results", help="reports/<name>.results.jsonl")
+    p.add_argument("--out", help="output folder (default: beside the results file)")
+    p.add_argument("--experiment", help="experiment TOML whose description to use (results without a sidecar)")
+    p.set_defaults(func=_cmd_report)
+    p = sub.add_parser("compare", help="diff two report CSVs run by run")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--metrics", help="comma-separated columns (default: the usual metrics both have)")
+    p.add_argument("--out", help="also write the comparison as Markdown here")
+    p.set_defaults(func=_cmd_compare)
     sub.add_parser("list", help="registered methods and their config fields").set_defaults(func=_cmd_list)
     p = sub.add_parser("info", help="parameter count, tied embeddings and linear layers of a model")
     p.add_argument("model")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .models import DTYPES
-from .registry import config_to_dict, make_config
+from .registry import config_to_dict, get_method, make_config
 
 
 def _check_keys(table: dict, cls: type, where: str) -> None:
@@ -95,6 +95,8 @@ class CalibrationProtocol:
 class RunSpec:
     name: str
     config: Any
+    seed: int | None = None  # set when the run is one of a `seeds` list; None: the experiment's seed
+    group: str | None = None  # the run's name before seed expansion ("gptq-w4" for "gptq-w4-seed1")
 
     def to_dict(self) -> dict:
         return {"name": self.name, **config_to_dict(self.config)}
@@ -108,6 +110,7 @@ class Experiment:
     dtype: str = "float32"
     device: str = "auto"
     seed: int = 0
+    seeds: tuple[int, ...] | None = None  # calibration-dependent runs repeat once per seed (see _expand_seeds)
     description: str = ""
     eval: EvalProtocol = field(default_factory=EvalProtocol)
     calibration: CalibrationProtocol = field(default_factory=CalibrationProtocol)
@@ -121,6 +124,41 @@ class Experiment:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"experiment {self.name!r}: duplicate run name(s) {', '.join(dupes)}")
+
+
+def _check_seeds(seeds, where: str) -> tuple[int, ...]:
+    if (not isinstance(seeds, (list, tuple)) or not seeds
+            or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in seeds)):
+        raise ValueError(f"{where}: seeds must be a non-empty list of integers >= 0, got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"{where}: seeds {list(seeds)} repeat a value")
+    return tuple(seeds)
+
+
+def _expand_seeds(run: RunSpec, run_seeds, exp_seeds) -> list[RunSpec]:
+    """One RunSpec per seed, named "<name>-seed<s>", for runs whose result depends on a seed.
+
+    A run's own `seeds` always expand it; the experiment's `seeds` expand only runs that need
+    calibration data (the seed draws the calibration windows), since RTN / the baseline are
+    deterministic and would repeat identical numbers.
+    """
+    seeds = run_seeds if run_seeds is not None else (
+        exp_seeds if exp_seeds and get_method(run.config).needs_calibration_for(run.config) else None)
+    if seeds is None:
+        return [run]
+    return [RunSpec(f"{run.name}-seed{s}", run.config, seed=s, group=run.name) for s in seeds]
+
+
+def _parse_runs(tables: list, exp_seeds, where: str) -> tuple[RunSpec, ...]:
+    """[[run]] tables -> RunSpecs, a run's `seeds` key (or the experiment's) expanding it per seed."""
+    runs = []
+    for i, table in enumerate(tables):
+        table = dict(table)
+        seeds = table.pop("seeds", None)
+        run = _parse_run(i, table, where)
+        seeds = None if seeds is None else _check_seeds(seeds, f"{where}: run {run.name!r}")
+        runs.extend(_expand_seeds(run, seeds, exp_seeds))
+    return tuple(runs)
 
 
 def _parse_run(i: int, table: dict, where: str) -> RunSpec:
@@ -146,10 +184,11 @@ def parse_experiment(data: dict, where: str = "experiment", default_name: str = 
     eval_table, calib_table = data.pop("eval", {}), data.pop("calibration", {})
     _check_keys(eval_table, EvalProtocol, f"{where} [eval]")
     _check_keys(calib_table, CalibrationProtocol, f"{where} [calibration]")
-    runs = tuple(_parse_run(i, r, where) for i, r in enumerate(data.pop("run", [])))
+    exp_seeds = _check_seeds(data.pop("seeds"), where) if "seeds" in data else None
+    runs = _parse_runs(data.pop("run", []), exp_seeds, where)
     return Experiment(
         name=data.pop("name", default_name), runs=runs,
-        eval=EvalProtocol(**eval_table), calibration=CalibrationProtocol(**calib_table), **data,
+        eval=EvalProtocol(**eval_table), calibration=CalibrationProtocol(**calib_table), seeds=exp_seeds, **data,
     )
 
 

@@ -58,6 +58,8 @@ def run_key(exp: Experiment, run: RunSpec, device: torch.device) -> str:
         "eval": non_default_fields(exp.eval),
         "calibration": non_default_fields(exp.calibration) if needs_calib else None,
     }
+    if run.seed is not None:  # only runs expanded from `seeds`: every other key stays as it was
+        ident["run_seed"] = run.seed
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -109,13 +111,19 @@ class _Context:
         if self.max_positions and length > self.max_positions:
             raise ValueError(f"{what} length {length} exceeds the model's max positions ({self.max_positions})")
 
-    def calibration(self) -> torch.Tensor:
+    def calibration(self, seed: int | None = None) -> torch.Tensor:
+        """Calibration windows drawn with `seed` (default: the experiment's), cached per seed."""
+        seed = self.exp.seed if seed is None else seed
         if self._calib is None:
             c = self.exp.calibration
             self._check_length("calibration.seq_len", c.seq_len)
-            ids, self.calib_source = load_token_ids(c.dataset, c.split, self.tokenizer, self.data_dir, self.cache_dir)
-            self._calib = calibration_windows(ids, c.num_samples, c.seq_len, self.exp.seed)
-        return self._calib
+            self._calib_ids, self.calib_source = load_token_ids(c.dataset, c.split, self.tokenizer, self.data_dir,
+                                                                self.cache_dir)
+            self._calib = {}
+        if seed not in self._calib:
+            c = self.exp.calibration
+            self._calib[seed] = calibration_windows(self._calib_ids, c.num_samples, c.seq_len, seed)
+        return self._calib[seed]
 
 
 def _perplexity_metrics(ctx: _Context, model) -> dict:
@@ -123,7 +131,10 @@ def _perplexity_metrics(ctx: _Context, model) -> dict:
     return {"ppl": ppl["ppl"], "nll_mean": ppl["nll_mean"], "kl_mean": ppl.get("kl_mean"),
             "top1_agree": ppl.get("top1_agree"), "kl_tokens": ppl.get("kl_tokens", 0),
             "predicted_tokens": ppl["predicted_tokens"], "eval_windows": len(ctx.windows),
-            "eval_tokens": ctx.windows.numel(), "seq_len": ctx.exp.eval.seq_len}
+            "eval_tokens": ctx.windows.numel(), "seq_len": ctx.exp.eval.seq_len,
+            # per-window NLL sums and predicted tokens: bootstrap intervals are computed from stored rows
+            "window_nll": json.dumps(ppl["window_nll"]),
+            "window_tokens": json.dumps([ctx.windows.shape[1] - 1] * len(ctx.windows))}
 
 
 def _embedding_metrics(ctx: _Context, model) -> dict:
@@ -139,11 +150,12 @@ def _embedding_metrics(ctx: _Context, model) -> dict:
 
 def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
     exp = ctx.exp
-    torch.manual_seed(exp.seed)
+    seed = exp.seed if run.seed is None else run.seed
+    torch.manual_seed(seed)
     model = copy.deepcopy(ctx.model)
     method = get_method(run.config)
     needs_calib = method.needs_calibration_for(run.config)
-    calib = [w.unsqueeze(0) for w in ctx.calibration()] if needs_calib else None
+    calib = [w.unsqueeze(0) for w in ctx.calibration(seed)] if needs_calib else None
     summary = quantize(model, run.config, calibration=calib)
     reset_peak_memory(ctx.device)
     t0 = time.perf_counter()
@@ -195,7 +207,8 @@ def run_experiment(
                 "bits": cfg.get("bits"), "group_size": cfg.get("group_size"), "symmetric": cfg.get("symmetric"),
                 **metrics,
                 "backend": "float" if cfg["method"] == "none" else "simulated (PyTorch dequant on the fly)",
-                "model": exp.model, "dtype": exp.dtype, "seed": exp.seed,
+                "model": exp.model, "dtype": exp.dtype, "seed": exp.seed if run.seed is None else run.seed,
+                "experiment": exp.name, "run_group": run.group or run.name,
                 "eval_metric": exp.eval.metric, "eval_dataset": exp.eval.dataset, "eval_split": exp.eval.split,
                 "eval_source": ctx.eval_source, "bos": "none", **env,
                 "config": json.dumps(cfg, sort_keys=True),
