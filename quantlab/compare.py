@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 # compared when both files have them (in this order); others can be asked for by name
@@ -47,7 +48,8 @@ def compare_reports(a, b, metrics: list[str] | None = None) -> pd.DataFrame:
         va = pd.to_numeric(ia.loc[out["run"], m], errors="coerce").values
         vb = pd.to_numeric(ib.loc[out["run"], m], errors="coerce").values
         out[f"{m}_a"], out[f"{m}_b"], out[f"{m}_diff"] = va, vb, vb - va
-        out[f"{m}_diff_pct"] = (vb / va - 1) * 100
+        with np.errstate(divide="ignore", invalid="ignore"):  # A = 0 (e.g. the baseline's KL): no %
+            out[f"{m}_diff_pct"] = np.where(va != 0, (vb / va - 1) * 100, np.nan)
     out.attrs.update(metrics=metrics, only_a=[r for r in da["run"] if r not in set(db["run"])],
                      only_b=[r for r in db["run"] if r not in set(da["run"])])
     return out

@@ -1,0 +1,181 @@
+"""Reports from stored rows: intervals, best-value marks, plots, byte-identical regeneration, compare."""
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from quantlab import plots, runner
+from quantlab.cli import main
+from quantlab.compare import compare_reports
+from quantlab.experiment import parse_experiment
+from quantlab.regenerate import regenerate_report
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+RUNS = [{"name": "fp32", "method": "none"}, {"name": "w8", "method": "rtn", "bits": 8},
+        {"name": "w4g32", "method": "rtn", "bits": 4, "group_size": 32, "symmetric": False},
+        {"name": "w3g32", "method": "rtn", "bits": 3, "group_size": 32, "symmetric": False}]
+
+
+def _experiment(model_dir, name="tiny_report", runs=RUNS, **top):
+    eval_table = {"dataset": str(model_dir / "sample.txt"), "seq_len": 32, "max_windows": 6, "kl_windows": 2,
+                  "prefill_tokens": 8, "decode_tokens": 2, "latency_repeats": 1}
+    return parse_experiment({"name": name, "model": str(model_dir), "device": "cpu", "description": "Tiny *test*.",
+                             "eval": eval_table, "run": runs, **top})
+
+
+@pytest.fixture(scope="module")
+def tiny_reports(tiny_model_dir, tmp_path_factory):
+    """One run of the tiny experiment through the runner; returns its reports folder."""
+    out = tmp_path_factory.mktemp("reports")
+    runner.run_experiment(_experiment(tiny_model_dir), out, progress=False)
+    return out
+
+
+def _png_ok(path: Path) -> bool:
+    data = path.read_bytes()
+    return len(data) > 1000 and data.startswith(PNG_MAGIC) and data.endswith(b"IEND\xaeB`\x82")
+
+
+def test_rows_carry_window_nll_and_the_csv_intervals(tiny_reports):
+    rows = [json.loads(line) for line in (tiny_reports / "tiny_report.results.jsonl").read_text().splitlines()]
+    nll, tokens = json.loads(rows[1]["window_nll"]), json.loads(rows[1]["window_tokens"])
+    assert len(nll) == rows[1]["eval_windows"] == 6 and tokens == [31] * 6
+    assert sum(nll) / sum(tokens) == pytest.approx(rows[1]["nll_mean"], rel=1e-12)  # the same NLL, split by window
+    assert {r["experiment"] for r in rows} == {"tiny_report"} and rows[2]["run_group"] == "w4g32"
+    df = pd.read_csv(tiny_reports / "tiny_report.csv")
+    assert (df["ppl_ci_low"] <= df["ppl"]).all() and (df["ppl"] <= df["ppl_ci_high"]).all()
+    base = df.iloc[0]
+    assert base["ppl_delta_ci_low"] == 0 and base["ppl_delta_ci_high"] == 0  # the baseline paired with itself
+    assert (df["ppl_delta_ci_low"] <= df["ppl_delta_pct"] + 1e-9).all()
+    assert (df["ppl_delta_pct"] <= df["ppl_delta_ci_high"] + 1e-9).all()
+
+
+def test_markdown_states_protocol_marks_best_embeds_plots(tiny_reports):
+    md = (tiny_reports / "tiny_report.md").read_text()
+    assert "Tiny *test*." in md and "6 non-overlapping windows of seq_len 32" in md and "BOS: none" in md
+    assert "**Intervals.** 95% percentile bootstrap over the 6 evaluation windows" in md
+    assert "| ppl 95% CI |" in md and "| Δppl % 95% CI (paired) |" in md
+    assert "![perplexity vs weight size](tiny_report.ppl_vs_weight_bytes.png)" in md
+    assert "![perplexity vs decode latency](tiny_report.ppl_vs_decode_latency.png)" in md
+    assert md.rstrip().splitlines()[-1].startswith("**Environment.**") and "git_sha" in md and "torchao" in md
+    df = pd.read_csv(tiny_reports / "tiny_report.csv")
+    table = [line for line in md.splitlines() if line.startswith("| w3g32 |") or line.startswith("| w8 |")]
+    smallest = df.loc[df["method"] != "none", "weight_ratio"].min()  # bold: the best quantized run's value
+    assert df.loc[df["run"] == "w3g32", "weight_ratio"].item() == smallest
+    assert f"**{smallest:.3f}**" in table[1] and f"{df['weight_ratio'].iloc[1]:.3f}" in table[0]
+    assert "**" not in md.split("| fp32 |")[1].splitlines()[0]  # the baseline is never marked
+
+
+def test_plots_have_one_point_per_run_and_are_pngs(tiny_reports):
+    for slug in ("ppl_vs_weight_bytes", "ppl_vs_decode_latency"):
+        assert _png_ok(tiny_reports / f"tiny_report.{slug}.png")
+        points = pd.read_csv(tiny_reports / f"tiny_report.{slug}.csv")
+        assert list(points["run"]) == ["fp32", "w8", "w4g32", "w3g32"]
+        assert points["pareto"].any()
+    points = pd.read_csv(tiny_reports / "tiny_report.ppl_vs_weight_bytes.csv")
+    assert points["pareto"].tolist() == plots.pareto_front(points["weight_bytes"], points["ppl"])
+
+
+def test_regenerated_report_is_byte_identical(tiny_reports, tmp_path):
+    out = tmp_path / "again"
+    assert main(["report", str(tiny_reports / "tiny_report.results.jsonl"), "--out", str(out)]) == 0
+    names = sorted(p.name for p in tiny_reports.iterdir() if p.suffix != ".jsonl")
+    assert sorted(p.name for p in out.iterdir()) == names and len(names) == 7  # csv, md, sidecar, 2 x (png, csv)
+    for name in names:
+        assert (out / name).read_bytes() == (tiny_reports / name).read_bytes(), name
+
+
+def test_regeneration_uses_the_sidecar_run_order_not_stale_rows(tiny_model_dir, tmp_path):
+    """A changed run leaves its old row in the results file; the sidecar keeps it out of the report."""
+    runs = RUNS[:2]
+    runner.run_experiment(_experiment(tiny_model_dir, "stale", runs), tmp_path, progress=False)
+    changed = [runs[0], {"name": "w8", "method": "rtn", "bits": 6}]
+    runner.run_experiment(_experiment(tiny_model_dir, "stale", changed), tmp_path, progress=False)
+    own = (tmp_path / "stale.md").read_bytes()
+    df = regenerate_report(tmp_path / "stale.results.jsonl", tmp_path / "again")
+    assert list(df["run"]) == ["fp32", "w8"] and df["bits"].iloc[1] == 6
+    assert (tmp_path / "again" / "stale.md").read_bytes() == own
+
+
+@pytest.mark.parametrize("name", ["smollm2_quickstart", "smollm2_ptq", "minilm_ptq"])
+def test_committed_results_regenerate(name, tmp_path):
+    """Rows written before window NLL existed still make a report (no intervals, said so)."""
+    shutil.copy(REPO / "reports" / f"{name}.results.jsonl", tmp_path)
+    df = regenerate_report(tmp_path / f"{name}.results.jsonl", tmp_path / "out")
+    committed = pd.read_csv(REPO / "reports" / f"{name}.csv")
+    assert list(df["run"]) == list(committed["run"])
+    metric = "ppl" if "ppl" in committed else "cos_mean"
+    assert df[metric].tolist() == committed[metric].tolist()  # exact: the same stored numbers
+    md = (tmp_path / "out" / f"{name}.md").read_text()
+    if metric == "ppl":
+        assert "no per-window NLL" in md and _png_ok(tmp_path / "out" / f"{name}.ppl_vs_weight_bytes.png")
+    else:
+        assert "Intervals" not in md and not list((tmp_path / "out").glob("*.png"))
+
+
+def _write_rows(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_regenerate_bad_input(tiny_reports, tmp_path):
+    rows = [json.loads(line) for line in (tiny_reports / "tiny_report.results.jsonl").read_text().splitlines()]
+    with pytest.raises(ValueError, match=r"rows of experiment\(s\) 'tiny_report', not 'other'"):
+        regenerate_report(_write_rows(tmp_path / "other.results.jsonl", rows))
+    broken = [{k: v for k, v in r.items() if k != "weight_bytes"} for r in rows]
+    with pytest.raises(ValueError, match=r"lacks column\(s\) weight_bytes; is this a quantlab results file"):
+        regenerate_report(_write_rows(tmp_path / "tiny_report.results.jsonl", broken))
+    with pytest.raises(ValueError, match=r"expected a <name>\.results\.jsonl"):
+        regenerate_report(tiny_reports / "tiny_report.csv")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        regenerate_report(tmp_path / "missing.results.jsonl")
+    _write_rows(tmp_path / "tiny_report.results.jsonl", rows[:2])
+    shutil.copy(tiny_reports / "tiny_report.experiment.json", tmp_path)
+    with pytest.raises(ValueError, match="sidecar lists run key"):
+        regenerate_report(tmp_path / "tiny_report.results.jsonl")
+
+
+def test_plotting_no_usable_rows_fails_without_writing(tmp_path):
+    png = tmp_path / "p.png"
+    with pytest.raises(ValueError, match="cannot plot ppl vs weight_bytes: no rows"):
+        plots.plot_ppl_vs_weight_bytes(pd.DataFrame(), png)
+    no_latency = pd.DataFrame({"run": ["a"], "ppl": [3.0], "weight_bytes": [10]})
+    with pytest.raises(ValueError, match="1 row\\(s\\), none with both 'decode_ms_per_token_p50' and 'ppl'"):
+        plots.plot_ppl_vs_decode_latency(no_latency, png)
+    assert not list(tmp_path.iterdir())
+
+
+def test_pareto_front_hand_checked():
+    # (1,3) and (2,1) are optimal; (3,2) is beaten by (2,1); (2,2) too; equal points both stay on the front
+    assert plots.pareto_front([1, 2, 3, 2], [3, 1, 2, 2]) == [True, True, False, False]
+    assert plots.pareto_front([1, 1], [2, 2]) == [True, True]
+
+
+def test_compare_two_reports(tiny_reports, tmp_path, capsys):
+    a = tiny_reports / "tiny_report.csv"
+    other = pd.read_csv(a)
+    other["ppl"] *= 1.1
+    other = other[other["run"] != "w3g32"]
+    b = tmp_path / "b.csv"
+    other.to_csv(b, index=False)
+    df = compare_reports(a, b)
+    assert list(df["run"]) == ["fp32", "w8", "w4g32"] and df.attrs["only_a"] == ["w3g32"]
+    assert df["ppl_diff_pct"].tolist() == pytest.approx([10.0] * 3, abs=1e-9)
+    assert df["weight_mib_diff"].tolist() == [0.0] * 3
+    out = tmp_path / "diff.md"
+    assert main(["compare", str(a), str(b), "--out", str(out)]) == 0
+    assert "| fp32 |" in out.read_text() and "Only in" in capsys.readouterr().out
+
+    renamed = other.assign(run=["x", "y", "z"])
+    renamed.to_csv(b, index=False)
+    with pytest.raises(ValueError, match="no run name in common: .* has fp32, w8, w4g32, w3g32; .* has x, y, z"):
+        compare_reports(a, b)
+    with pytest.raises(ValueError, match=r"no column\(s\) ppl_typo; numeric columns: .*ppl"):
+        compare_reports(a, a, metrics=["ppl_typo"])
+    other[["run", "scheme"]].to_csv(b, index=False)
+    with pytest.raises(ValueError, match="share none of the metric columns"):
+        compare_reports(a, b)
+    assert main(["compare", str(a), str(tmp_path / "nope.csv")]) == 1
