@@ -15,6 +15,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display; set before pyplot is imported
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 PNG_META = {"Software": None}  # no matplotlib version in the file: the bytes depend on the data only
 
@@ -71,9 +72,14 @@ def scatter_with_front(df: pd.DataFrame, x: str, y: str, png_path, xlabel: str, 
     ax.scatter(xs[~data["pareto"]], data[y][~data["pareto"]], color="0.55", s=28, zorder=2, label="dominated")
     front = data[data["pareto"]].sort_values(x)
     ax.plot(front[x] / x_scale, front[y], "-o", color="tab:red", ms=6, zorder=3, label="Pareto front")
-    for _, r in data.iterrows():
+    labelled = data if len(data) <= 10 else front  # many points: name the front only (all are in the CSV)
+    for _, r in labelled.iterrows():
         ax.annotate(r["run"], (r[x] / x_scale, r[y]), textcoords="offset points", xytext=(4, 3), fontsize=7)
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    if data[y].min() > 0 and data[y].max() / data[y].min() > 3:  # one collapsed run would squash the rest
+        ax.set_yscale("log")
+        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis(FuncFormatter(lambda v, _: f"{v:g}"))  # 40, not 4×10¹
+    ax.set(xlabel=xlabel, ylabel=ylabel + (" (log scale)" if ax.get_yscale() == "log" else ""), title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
