@@ -41,7 +41,8 @@ def _cmd_report(args) -> int:
         exp = load_experiment(args.experiment)
         description = exp.description
     df = regenerate_report(args.results, args.out, description)
-    print(f"wrote {len(df)} rows to {args.out or 'the results folder'}")
+    name = os.path.basename(args.results).removesuffix(".results.jsonl")
+    print(f"wrote {os.path.join(args.out or os.path.dirname(args.results), name)}.csv, .md and plots ({len(df)} rows)")
     return 0
 
 

@@ -11,6 +11,8 @@ import numpy as np
 import pandas as pd
 
 # compared when both files have them (in this order); others can be asked for by name
+PROTOCOL = ["model", "dtype", "eval_dataset", "eval_split", "seq_len", "eval_windows", "eval_tokens", "bos",
+            "calib_samples", "device_name"]
 DEFAULT_METRICS = ["ppl", "ppl_delta_pct", "kl_mean", "top1_agree", "cos_mean", "cos_p5", "layer_rel_err_mean",
                    "weight_mib", "bits_per_weight", "prefill_ms_p50", "decode_ms_per_token_p50", "calibrate_s"]
 
@@ -50,7 +52,15 @@ def compare_reports(a, b, metrics: list[str] | None = None) -> pd.DataFrame:
         out[f"{m}_a"], out[f"{m}_b"], out[f"{m}_diff"] = va, vb, vb - va
         with np.errstate(divide="ignore", invalid="ignore"):  # A = 0 (e.g. the baseline's KL): no %
             out[f"{m}_diff_pct"] = np.where(va != 0, (vb / va - 1) * 100, np.nan)
-    out.attrs.update(metrics=metrics, only_a=[r for r in da["run"] if r not in set(db["run"])],
+    differs = []
+    for c in (c for c in PROTOCOL if c in da and c in db):
+        va, vb = sorted(map(str, da[c].dropna().unique())), sorted(map(str, db[c].dropna().unique()))
+        if va != vb:
+            differs.append(f"{c} {', '.join(va) or '–'} vs {', '.join(vb) or '–'}")
+    config_differs = []
+    if "config" in ia and "config" in ib:  # same name, different run: worth saying
+        config_differs = [r for r in out["run"] if str(ia.loc[r, "config"]) != str(ib.loc[r, "config"])]
+    out.attrs.update(metrics=metrics, protocol_differs=differs, config_differs=config_differs, only_a=[r for r in da["run"] if r not in set(db["run"])],
                      only_b=[r for r in db["run"] if r not in set(da["run"])])
     return out
 
@@ -71,6 +81,10 @@ def compare_markdown(df: pd.DataFrame, label_a: str = "A", label_b: str = "B") -
             cells += [_num(r[f"{m}_a"]), _num(r[f"{m}_b"]), _num(r[f"{m}_diff"], "{:+.4g}"),
                       _num(r[f"{m}_diff_pct"], "{:+.2f}")]
         lines.append("| " + " | ".join(cells) + " |")
+    if df.attrs.get("protocol_differs"):
+        lines += ["", "**Protocols differ** (the numbers may not be comparable): " + "; ".join(df.attrs["protocol_differs"])]
+    if df.attrs.get("config_differs"):
+        lines += ["", "**Same name, different config:** " + ", ".join(df.attrs["config_differs"])]
     for label, runs in ((label_a, df.attrs["only_a"]), (label_b, df.attrs["only_b"])):
         if runs:
             lines += ["", f"Only in `{label}`: {', '.join(map(str, runs))}"]

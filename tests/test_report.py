@@ -158,6 +158,8 @@ def test_compare_two_reports(tiny_reports, tmp_path, capsys):
     a = tiny_reports / "tiny_report.csv"
     other = pd.read_csv(a)
     other["ppl"] *= 1.1
+    other["seq_len"] = 64
+    other.loc[other["run"] == "w8", "config"] = other.loc[other["run"] == "w8", "config"].str.replace('"bits": 8', '"bits": 7')
     other = other[other["run"] != "w3g32"]
     b = tmp_path / "b.csv"
     other.to_csv(b, index=False)
@@ -168,6 +170,8 @@ def test_compare_two_reports(tiny_reports, tmp_path, capsys):
     out = tmp_path / "diff.md"
     assert main(["compare", str(a), str(b), "--out", str(out)]) == 0
     assert "| fp32 |" in out.read_text() and "Only in" in capsys.readouterr().out
+    assert "**Protocols differ** (the numbers may not be comparable): seq_len 32 vs 64" in out.read_text()
+    assert df.attrs["config_differs"] == ["w8"] and "**Same name, different config:** w8" in out.read_text()
 
     renamed = other.assign(run=["x", "y", "z"])
     renamed.to_csv(b, index=False)
@@ -179,3 +183,23 @@ def test_compare_two_reports(tiny_reports, tmp_path, capsys):
     with pytest.raises(ValueError, match="share none of the metric columns"):
         compare_reports(a, b)
     assert main(["compare", str(a), str(tmp_path / "nope.csv")]) == 1
+
+
+@pytest.mark.slow
+def test_real_model_intervals(tmp_path, wikitext_dir):
+    """SmolLM2-135M, 6 x 256 test tokens: RTN w3 g64 (+~200% ppl) is resolved by the paired interval,
+    w8 per-channel (±0.1%) is not; the unpaired spread of fp32 itself is several % wide."""
+    exp = parse_experiment({
+        "name": "real_ci", "model": "smollm2-135m", "device": "cpu",
+        "eval": {"seq_len": 256, "max_windows": 6, "kl_windows": 0, "latency": False},
+        "run": [{"name": "fp32", "method": "none"}, {"name": "w8", "method": "rtn", "bits": 8},
+                {"name": "w3", "method": "rtn", "bits": 3, "group_size": 64, "symmetric": False}]})
+    runner.run_experiment(exp, tmp_path, data_dir=wikitext_dir, progress=False)
+    df = pd.read_csv(tmp_path / "real_ci.csv").set_index("run")
+    assert ((df["ppl_ci_low"] < df["ppl"]) & (df["ppl"] < df["ppl_ci_high"])).all()
+    assert df.loc["fp32", "ppl_ci_high"] / df.loc["fp32", "ppl_ci_low"] > 1.03  # 6 windows: a wide interval
+    assert df.loc["w3", "ppl_delta_ci_low"] > 50 and bool(df.loc["w3", "ppl_delta_excludes_zero"])
+    assert abs(df.loc["w8", "ppl_delta_pct"]) < 1
+    w8_width = df.loc["w8", "ppl_delta_ci_high"] - df.loc["w8", "ppl_delta_ci_low"]
+    fp32_rel_width = (df.loc["fp32", "ppl_ci_high"] - df.loc["fp32", "ppl_ci_low"]) / df.loc["fp32", "ppl"] * 100
+    assert w8_width < fp32_rel_width / 3  # pairing removes the shared window difficulty
