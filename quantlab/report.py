@@ -156,7 +156,8 @@ def _cell(row, col: str, fmt: str) -> str:
         return _interval(row, "ppl_ci_low", "ppl_ci_high", "{:.2f}") or "–"
     if col == "ppl_delta_ci":
         text = _interval(row, "ppl_delta_ci_low", "ppl_delta_ci_high", "{:+.2f}")
-        return "–" if text is None else text + (" ✓" if row.get("ppl_delta_excludes_zero") is True else "")
+        excludes = row.get("ppl_delta_excludes_zero")  # True, numpy True (via a DataFrame), None or NaN
+        return "–" if text is None else text + (" ✓" if excludes is not None and excludes == True else "")  # noqa: E712
     text = _fmt(row[col], fmt)
     std = row.get(f"{col}_std")
     if std is not None and std == std and text != "–":

@@ -100,20 +100,31 @@ def test_regeneration_uses_the_sidecar_run_order_not_stale_rows(tiny_model_dir, 
     assert (tmp_path / "again" / "stale.md").read_bytes() == own
 
 
-@pytest.mark.parametrize("name", ["smollm2_quickstart", "smollm2_ptq", "minilm_ptq"])
-def test_committed_results_regenerate(name, tmp_path):
-    """Rows written before window NLL existed still make a report (no intervals, said so)."""
-    shutil.copy(REPO / "reports" / f"{name}.results.jsonl", tmp_path)
-    df = regenerate_report(tmp_path / f"{name}.results.jsonl", tmp_path / "out")
+@pytest.mark.parametrize("name", ["smollm2_quickstart", "smollm2_ptq", "minilm_ptq", "smollm2_seeds"])
+@pytest.mark.parametrize("sidecar", [True, False])
+def test_committed_results_regenerate(name, sidecar, tmp_path):
+    """Every committed results file regenerates, with or without its sidecar; rows written before
+    window NLL existed make a report without intervals, and say so."""
+    results = REPO / "reports" / f"{name}.results.jsonl"
+    if not results.exists():
+        pytest.skip(f"{results.name} not committed")
+    shutil.copy(results, tmp_path)
+    if sidecar:
+        shutil.copy(REPO / "reports" / f"{name}.experiment.json", tmp_path)
+    df = regenerate_report(tmp_path / results.name, tmp_path / "out")
     committed = pd.read_csv(REPO / "reports" / f"{name}.csv")
     assert list(df["run"]) == list(committed["run"])
     metric = "ppl" if "ppl" in committed else "cos_mean"
     assert df[metric].tolist() == committed[metric].tolist()  # exact: the same stored numbers
     md = (tmp_path / "out" / f"{name}.md").read_text()
-    if metric == "ppl":
-        assert "no per-window NLL" in md and _png_ok(tmp_path / "out" / f"{name}.ppl_vs_weight_bytes.png")
-    else:
+    if sidecar:
+        assert json.loads((REPO / "reports" / f"{name}.experiment.json").read_text())["description"].strip() in md
+    if metric == "cos_mean":
         assert "Intervals" not in md and not list((tmp_path / "out").glob("*.png"))
+    elif "window_nll" in committed:
+        assert "95% percentile bootstrap" in md and committed["ppl_ci_low"].notna().all()
+    else:
+        assert "no per-window NLL" in md and _png_ok(tmp_path / "out" / f"{name}.ppl_vs_weight_bytes.png")
 
 
 def _write_rows(path: Path, rows) -> Path:

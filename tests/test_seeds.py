@@ -62,3 +62,7 @@ def test_seeded_runs_draw_their_own_calibration_and_report_mean_std(tiny_model_d
     gptq_line = next(line for line in md.splitlines() if line.startswith("| gptq |"))
     assert f"{row['ppl']:.3f} ± {row['ppl_std']:.3f}" in gptq_line.replace("**", "")
     assert "**Seeds.**" in md and "| gptq-seed1 |" in md
+    w4 = df.set_index("run").loc["w4"]
+    w4_line = next(line for line in md.splitlines() if line.startswith("| w4 |"))
+    assert bool(w4["ppl_delta_excludes_zero"]) == ("✓" in w4_line)  # a single run beside a seed group keeps its mark
+    assert f"[{w4['ppl_delta_ci_low']:+.2f}, {w4['ppl_delta_ci_high']:+.2f}]" in w4_line
