@@ -1,5 +1,6 @@
 """Reports from stored rows: intervals, best-value marks, plots, byte-identical regeneration, compare."""
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -214,3 +215,22 @@ def test_real_model_intervals(tmp_path, wikitext_dir):
     w8_width = df.loc["w8", "ppl_delta_ci_high"] - df.loc["w8", "ppl_delta_ci_low"]
     fp32_rel_width = (df.loc["fp32", "ppl_ci_high"] - df.loc["fp32", "ppl_ci_low"]) / df.loc["fp32", "ppl"] * 100
     assert w8_width < fp32_rel_width / 3  # pairing removes the shared window difficulty
+
+
+def test_compare_pairs_ppl_over_the_stored_windows(tiny_reports, tmp_path):
+    """B's w8 is worse by 0.1 nats on every token of every window: every resample gives Δ = e^0.1 − 1."""
+    a = tiny_reports / "tiny_report.csv"
+    other = pd.read_csv(a)
+    i = other.index[other["run"] == "w8"][0]
+    nll, tokens = json.loads(other.loc[i, "window_nll"]), json.loads(other.loc[i, "window_tokens"])
+    other.loc[i, "window_nll"] = json.dumps([n + 0.1 * t for n, t in zip(nll, tokens)])
+    b = tmp_path / "b.csv"
+    other.to_csv(b, index=False)
+    df = compare_reports(a, b, metrics=["ppl"]).set_index("run")
+    expected = (math.exp(0.1) - 1) * 100
+    assert df.loc["w8", "ppl_diff_ci_low"] == pytest.approx(expected, rel=1e-9)
+    assert df.loc["w8", "ppl_diff_ci_high"] == pytest.approx(expected, rel=1e-9)
+    assert df.loc["fp32", "ppl_diff_ci_low"] == 0 and df.loc["fp32", "ppl_diff_ci_high"] == 0
+    other["seq_len"] = 64  # another protocol: the windows are not the same ones, so no pairing
+    other.to_csv(b, index=False)
+    assert "ppl_diff_ci_low" not in compare_reports(a, b, metrics=["ppl"])
