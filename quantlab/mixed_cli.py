@@ -45,7 +45,7 @@ def _target(args):
 def cmd_sensitivity(args) -> int:
     from .models import load_model
     from .sensitivity import sweep, validation_windows
-    from .sensitivity_plot import write_sensitivity
+    from .sensitivity_plot import with_ext, write_sensitivity
 
     configs = _configs(args)
     model_name, dtype, name, dataset, seq_len = _target(args)
@@ -54,7 +54,7 @@ def cmd_sensitivity(args) -> int:
     prefix = Path(args.reports_dir) / f"{name}.sensitivity"
     suffix = "" if args.granularity == "layer" else f"_{args.granularity}"
     prefix = prefix.with_name(prefix.name + suffix)
-    rows = sweep(model, configs, windows, args.granularity, prefix.with_suffix(".jsonl"), progress=not args.quiet)
+    rows = sweep(model, configs, windows, args.granularity, with_ext(prefix, ".jsonl"), progress=not args.quiet)
     for r in rows:
         r.update(model=model_name, split=args.split, source=source, windows=len(windows), seq_len=seq_len)
     df = write_sensitivity(rows, prefix)

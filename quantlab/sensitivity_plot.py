@@ -11,6 +11,11 @@ from pathlib import Path
 import pandas as pd
 
 
+def with_ext(prefix: Path, ext: str) -> Path:
+    """reports/x.sensitivity + .csv -> reports/x.sensitivity.csv (Path.with_suffix would drop '.sensitivity')."""
+    return prefix.parent / (prefix.name + ext)
+
+
 def _pyplot():
     import matplotlib
 
@@ -29,7 +34,7 @@ def write_sensitivity(rows: list[dict], out_prefix: str | Path, metric: str = "k
         raise ValueError(f"unknown metric {metric!r}; columns: {', '.join(df.columns)}")
     out_prefix = Path(out_prefix)
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
-    df.to_csv(out_prefix.with_suffix(".csv"), index=False)
+    df.to_csv(with_ext(out_prefix, ".csv"), index=False)
     plt = _pyplot()
     candidates = list(dict.fromkeys(df["candidate"]))
     per_layer = (df["granularity"] == "layer").all() and df["block"].notna().all()
@@ -37,7 +42,7 @@ def write_sensitivity(rows: list[dict], out_prefix: str | Path, metric: str = "k
         fig = _heatmaps(plt, df, candidates, metric)
     else:
         fig = _bars(plt, df, candidates, metric)
-    fig.savefig(out_prefix.with_suffix(".png"), dpi=110, bbox_inches="tight")
+    fig.savefig(with_ext(out_prefix, ".png"), dpi=110, bbox_inches="tight")
     plt.close(fig)
     return df
 
