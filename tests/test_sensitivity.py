@@ -109,3 +109,30 @@ def test_cli_reads_the_validation_split_never_test(tiny_model_dir, tmp_path, mon
     assert (tmp_path / "tiny.sensitivity.png").stat().st_size > 0
     assert main(argv[:-4] + ["--split", "test", "--reports-dir", str(tmp_path)]) == 1  # refused, clear error
     assert seen == ["validation"]
+
+
+def test_mixed_cli_writes_an_experiment_the_runner_accepts(setup, tiny_model_dir, tmp_path):
+    from quantlab import runner
+    from quantlab.experiment import load_experiment
+
+    model, windows = setup
+    cands = [W2, W4, {"method": "rtn", "bits": 8, "symmetric": False}]
+    write_sensitivity(sweep(model, [make_config(c) for c in cands], windows, progress=False), tmp_path / "t.sensitivity")
+    exp_path = tmp_path / "t.toml"
+    exp_path.write_text(
+        "# header comment kept\nname = \"t\"\n"
+        f"model = {str(tiny_model_dir)!r}\ndevice = \"cpu\"\n"
+        f"[eval]\ndataset = {str(tiny_model_dir / 'sample.txt')!r}\nseq_len = 32\nmax_windows = 2\nkl_windows = 2\n"
+        "latency = false\n[[run]]\nname = \"fp32\"\nmethod = \"none\"\n"
+        "[[run]]\nname = \"mixed-3b\"\nmethod = \"rtn\"\n")  # a stale mixed run of the same name is replaced
+    argv = ["mixed", str(exp_path), "--target-bits", "3", "4.5", "--sensitivity", str(tmp_path / "t.sensitivity.csv")]
+    assert main(argv) == 0
+    text = exp_path.read_text()
+    assert text.startswith("# header comment kept\n") and "overrides = [" in text
+    exp = load_experiment(exp_path)
+    assert [r.name for r in exp.runs] == ["fp32", "mixed-3b", "mixed-4.5b"]
+    df = runner.run_experiment(exp, tmp_path / "reports", progress=False)
+    bits = dict(zip(df["run"], df["bits_per_weight"]))
+    assert bits["mixed-3b"] <= 3.0 and 4.0 < bits["mixed-4.5b"] <= 4.5  # true bits (scales, zeros) within budget
+    assert "overrides" in df.set_index("run").loc["mixed-4.5b", "scheme"]
+    assert main(["mixed", str(exp_path), "--target-bits", "2", "--sensitivity", str(tmp_path / "t.sensitivity.csv")]) == 1
