@@ -155,6 +155,9 @@ def mixed_run_table(name: str, plan: Plan) -> dict:
     base_grid = grids.most_common(1)[0][0]
     base = next(c for c in plan.assignment.values() if _grid(c) == base_grid)
     table = {"name": name, "method": "rtn", **{k: v for k, v in base.items() if k in _GRID_KEYS and v is not None}}
+    for k, default in (("include", ["*"]), ("exclude", ["lm_head"])):  # the layers the sensitivity covered
+        if base.get(k, default) != default:
+            table[k] = base[k]
     overrides = []
     for layer, cfg in plan.assignment.items():
         if _grid(cfg) == base_grid:

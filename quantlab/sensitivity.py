@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -236,8 +237,6 @@ def layer_sensitivity(
 
 
 def _row(model, unit: Unit, config: RTNConfig, cfg: dict, metrics: dict, granularity: str) -> dict:
-    import math
-
     params = sum(model.get_submodule(n).weight.numel() for n in unit.layers)
     nbytes = sum(QuantLinear.from_linear(model.get_submodule(n), config.spec_for(n)).storage_bytes()
                  for n in unit.layers)

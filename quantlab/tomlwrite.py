@@ -85,11 +85,11 @@ def _defaults(cls) -> dict:
 
 
 def compact_config(config: Any) -> dict:
-    """{"method": ..., fields that differ from their defaults}; nested configs likewise, overrides as tables."""
+    """{"method": ..., bits, fields that differ from their defaults}; nested configs likewise, overrides as tables."""
     out, defaults = {"method": get_method(config).name}, _defaults(type(config))
     for f in dataclasses.fields(config):
         v = getattr(config, f.name)
-        if f.name in defaults and v == defaults[f.name]:
+        if f.name in defaults and v == defaults[f.name] and f.name != "bits":  # bits: always said, for the reader
             continue
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
             v = compact_config(v)
