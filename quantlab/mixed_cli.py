@@ -69,7 +69,7 @@ def cmd_mixed(args) -> int:
 
     from .experiment import load_experiment, parse_experiment
     from .mixed import mixed_run_table, plan_summary, solve_budget
-    from .tomlwrite import experiment_toml
+    from .tomlwrite import dumps
 
     exp = load_experiment(args.experiment)
     sens = Path(args.sensitivity or Path(args.reports_dir) / f"{exp.name}.sensitivity.csv")
@@ -89,7 +89,8 @@ def cmd_mixed(args) -> int:
     names = {r["name"] for r in new_runs}
     data["run"] = [r for r in data.get("run", []) if r["name"] not in names] + new_runs
     header = _leading_comments(Path(args.experiment).read_text())
-    text = experiment_toml(parse_experiment(data, where=args.experiment), header)
+    parse_experiment(data, where=args.experiment)  # validate before writing anything
+    text = header + dumps(data)  # the file's own tables as written (not defaults-compacted), plus the new runs
     out = Path(args.out or args.experiment)
     out.write_text(text)
     load_experiment(out)  # what we wrote must load
