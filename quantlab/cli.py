@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("info", help="parameter count, tied embeddings and linear layers of a model")
     p.add_argument("model")
     p.set_defaults(func=_cmd_info)
+    from .mixed_cli import add_commands  # sensitivity, mixed
+
+    add_commands(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "filelock", "huggingface_hub"):

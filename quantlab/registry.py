@@ -136,8 +136,8 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     d = {"method": get_method(config).name}
     for f in dataclasses.fields(config):
         v = getattr(config, f.name)
-        if isinstance(v, tuple):
-            v = list(v)
+        if isinstance(v, tuple):  # items with to_dict (per-layer overrides) become plain tables
+            v = [x.to_dict() if hasattr(x, "to_dict") else x for x in v]
         elif dataclasses.is_dataclass(v) and not isinstance(v, type):
             v = config_to_dict(v)
         d[f.name] = v

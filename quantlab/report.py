@@ -50,6 +50,8 @@ def scheme(cfg: dict, dtype: str) -> str:
     if "bits" in cfg:
         g = "channel" if cfg.get("group_size") is None else f"g{cfg['group_size']}"
         text = f"w{cfg['bits']} {g} {'sym' if cfg.get('symmetric', True) else 'asym'}"
+        if cfg.get("overrides"):  # per-layer grids (quantlab.overrides): the base grid is not the whole story
+            text += f" + {len(cfg['overrides'])} overrides"
     elif isinstance(cfg.get("base"), dict):
         text = scheme(cfg["base"], dtype)
     else:

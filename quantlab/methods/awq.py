@@ -126,17 +126,22 @@ def fake_quant_weight(w: torch.Tensor, spec: WeightSpec, p: QParams | None = Non
     return fake_quantize(w, spec.qparams(w) if p is None else p, spec.bits, spec.group_size, ste=False)
 
 
-def scaled_error(weights: list[torch.Tensor], gram: torch.Tensor, s: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
-    """Σ_c ‖W_c X − Q(W_c·diag s)(X / s)‖², via the Gram matrix of the consumers' shared input X."""
+def scaled_error(weights: list[torch.Tensor], gram: torch.Tensor, s: torch.Tensor,
+                 spec: WeightSpec | list[WeightSpec]) -> torch.Tensor:
+    """Σ_c ‖W_c X − Q(W_c·diag s)(X / s)‖², via the Gram matrix of the consumers' shared input X.
+
+    spec: one grid for every consumer, or one per consumer (per-layer overrides)."""
+    specs = spec if isinstance(spec, (list, tuple)) else [spec] * len(weights)
     total = torch.zeros((), device=gram.device)
-    for w in weights:
+    for w, spec in zip(weights, specs):
         w = w.detach().float()
         total = total + output_sq_error(w - fake_quant_weight(w * s, spec) / s, gram)
     return total
 
 
 def search_scale(
-    weights: list[torch.Tensor], x_mean_abs: torch.Tensor, gram: torch.Tensor, spec: WeightSpec, n_grid: int = 20,
+    weights: list[torch.Tensor], x_mean_abs: torch.Tensor, gram: torch.Tensor, spec: WeightSpec | list[WeightSpec],
+    n_grid: int = 20,
 ) -> tuple[torch.Tensor, float, list[float]]:
     """Best smoothing scale over α in {0, 1/n_grid, ...}: (s (C,), α, loss per α). Ties keep the smaller α.
 
@@ -250,7 +255,7 @@ def awq_block(
     for g in usable:
         key, consumers = g.consumers[0], [layers[c] for c in g.consumers]
         x_mean_abs = stats[key][1].compute(prefix + key)
-        s, alpha, _ = search_scale([c.weight for c in consumers], x_mean_abs, grams[key], consumers[0].spec,
+        s, alpha, _ = search_scale([c.weight for c in consumers], x_mean_abs, grams[key], [c.spec for c in consumers],
                                    config.n_grid)
         apply_scale(block, g, s)
         alphas[prefix + key] = alpha
@@ -273,7 +278,7 @@ class AWQ(Method):
 
     def prepare(self, model, config: AWQConfig) -> None:
         arch_for(model)  # an unknown model_type fails before the model is touched
-        swap_in_quant_linears(model, config.base.selection, config.base.weight_spec)
+        swap_in_quant_linears(model, config.base.selection, config.base.weight_spec, config.base.overrides)
 
     def calibrate(self, model, config: AWQConfig, batches) -> None:
         groups = arch_for(model)["groups"]

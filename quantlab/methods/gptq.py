@@ -128,7 +128,7 @@ class GPTQ(Method):
     needs_calibration = True
 
     def prepare(self, model, config: GPTQConfig) -> None:
-        swap_in_quant_linears(model, config.selection, config.weight_spec)
+        swap_in_quant_linears(model, config.selection, config.weight_spec, config.overrides)
 
     def calibrate(self, model, config: GPTQConfig, batches) -> None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -147,7 +147,7 @@ class GPTQ(Method):
                     remove()
                 for name in stage:
                     layer, where = layers[name], f"{prefix[id(block)]}.{name}"
-                    q, p = gptq_solve(layer.weight, observers[name].compute(where), config.weight_spec,
+                    q, p = gptq_solve(layer.weight, observers[name].compute(where), layer.spec,
                                       config.block_size, config.damp, config.act_order, where)
                     layer.weight.data.copy_(q.to(layer.weight.dtype))
                     layer.fixed_qparams = p

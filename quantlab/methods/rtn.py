@@ -9,13 +9,17 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..api import quant_linears, select_linears, set_submodule
+from ..overrides import LayerOverride, check_overrides_match, parse_overrides, spec_for
 from ..qlinear import QuantLinear, WeightSpec
 from ..registry import LayerSelection, Method, register_method
 
 
 @dataclass(frozen=True)
 class RTNConfig:
-    """bits 2..8; group_size None = per output channel; symmetric or asymmetric (zero point)."""
+    """bits 2..8; group_size None = per output channel; symmetric or asymmetric (zero point).
+
+    overrides: per-layer grids by name glob, later matches win (see quantlab/overrides.py).
+    """
 
     bits: int = 4
     group_size: int | None = None
@@ -23,11 +27,17 @@ class RTNConfig:
     scale_dtype: str = "float16"
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ("lm_head",)
+    overrides: tuple[LayerOverride, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "include", self.selection.include)
         object.__setattr__(self, "exclude", self.selection.exclude)
+        object.__setattr__(self, "overrides", parse_overrides(self.overrides))
         self.weight_spec  # validates bits / group_size / scale_dtype
+
+    def spec_for(self, name: str) -> WeightSpec:
+        """The grid of layer `name`: weight_spec with the matching overrides applied."""
+        return spec_for(self.weight_spec, self.overrides, name)
 
     @property
     def weight_spec(self) -> WeightSpec:
@@ -38,11 +48,15 @@ class RTNConfig:
         return LayerSelection(self.include, self.exclude)
 
 
-def swap_in_quant_linears(model: nn.Module, selection: LayerSelection, spec: WeightSpec) -> list[str]:
-    """Replace selected nn.Linear modules by fake-quant QuantLinear; returns their names."""
+def swap_in_quant_linears(
+    model: nn.Module, selection: LayerSelection, spec: WeightSpec, overrides: tuple[LayerOverride, ...] = (),
+) -> list[str]:
+    """Replace selected nn.Linear modules by fake-quant QuantLinear (grid: spec + matching overrides);
+    returns their names. An override matching no selected layer is an error."""
     chosen = select_linears(model, selection)
+    check_overrides_match(overrides, [n for n, _ in chosen])
     for name, linear in chosen:
-        set_submodule(model, name, QuantLinear.from_linear(linear, spec))
+        set_submodule(model, name, QuantLinear.from_linear(linear, spec_for(spec, overrides, name)))
     return [n for n, _ in chosen]
 
 
@@ -57,7 +71,7 @@ class RTN(Method):
     config_cls = RTNConfig
 
     def prepare(self, model, config: RTNConfig) -> None:
-        swap_in_quant_linears(model, config.selection, config.weight_spec)
+        swap_in_quant_linears(model, config.selection, config.weight_spec, config.overrides)
 
     def convert(self, model, config: RTNConfig) -> None:
         freeze_all(model)
