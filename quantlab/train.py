@@ -124,6 +124,65 @@ def _diverged(what: str, value: float, step: int, settings: TrainSettings, direc
                             "Try a lower lr / scale_lr or grad_clip.")
 
 
+def _check_inputs(windows: torch.Tensor, settings: TrainSettings, teacher, checkpoint_dir) -> None:
+    if settings.batch_size > len(windows):
+        raise ValueError(f"batch_size={settings.batch_size} is larger than the training data "
+                         f"({len(windows)} windows of {settings.seq_len} tokens)")
+    if settings.needs_teacher and teacher is None:
+        raise ValueError(f"kd_weight={settings.kd_weight} needs a teacher model (the unquantized model); pass teacher=")
+    if settings.checkpoint_every and checkpoint_dir is None:
+        raise ValueError(f"checkpoint_every={settings.checkpoint_every} needs a checkpoint directory")
+
+
+def _optimizer(weights: dict, qparams: dict, settings: TrainSettings) -> torch.optim.Optimizer:
+    """AdamW: weights at lr (with weight decay), quantizer params at scale_lr (no decay); peak_lr per group."""
+    groups = [{"params": list(weights.values()), "lr": settings.lr, "peak_lr": settings.lr}]
+    if qparams:
+        groups.append({"params": list(qparams.values()), "lr": settings.scale_lr, "peak_lr": settings.scale_lr,
+                       "weight_decay": 0.0})
+    return torch.optim.AdamW(groups, lr=settings.lr, weight_decay=settings.weight_decay)
+
+
+def _restore(state: dict, fp: str, trainable: dict, optimizer, scaler, checkpoint_dir) -> tuple[int, list, float]:
+    """Load a checkpoint into params / optimizer / scaler / RNG; returns (step, loss history, elapsed_s)."""
+    if state.get("fingerprint") != fp:
+        raise ValueError(f"checkpoint in {checkpoint_dir} was written by a different run or config; delete it to start over")
+    with torch.no_grad():
+        for name, value in state["params"].items():
+            trainable[name].copy_(value)
+    optimizer.load_state_dict(state["optimizer"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    set_rng_state(state["rng"])
+    log.info("resuming QAT from step %d (%s)", state["step"], checkpoint_dir)
+    return state["step"], list(state["history"]), state["elapsed_s"]
+
+
+def _optimizer_step(model, teacher, batches: list[torch.Tensor], settings: TrainSettings, autocast, optimizer,
+                    scaler, params: list[nn.Parameter], diverged) -> float:
+    """One optimizer step over grad_accum micro-batches; returns the step's mean loss."""
+    optimizer.zero_grad(set_to_none=True)
+    step_loss = 0.0
+    for batch in batches:
+        loss = _loss(model, teacher, batch, settings, autocast)
+        if not torch.isfinite(loss):
+            raise diverged("loss", loss.item())
+        scaled = loss / settings.grad_accum
+        (scaler.scale(scaled) if scaler else scaled).backward()
+        step_loss += loss.item() / settings.grad_accum
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip if settings.grad_clip > 0 else math.inf)
+    if scaler is not None:  # GradScaler skips steps with inf gradients and lowers its scale
+        scaler.step(optimizer)
+        scaler.update()
+    elif not torch.isfinite(norm):
+        raise diverged("gradient norm", norm.item())
+    else:
+        optimizer.step()
+    return step_loss
+
+
 def train(
     model: nn.Module, data, settings: TrainSettings, teacher: nn.Module | None = None,
     checkpoint_dir: str | Path | None = None, progress: bool = True, fingerprint: str = "",
@@ -134,43 +193,24 @@ def train(
     train_resumed_from (0 = fresh start).
     """
     windows = training_windows(data, settings.seq_len)
-    if settings.batch_size > len(windows):
-        raise ValueError(f"batch_size={settings.batch_size} is larger than the training data "
-                         f"({len(windows)} windows of {settings.seq_len} tokens)")
-    if settings.needs_teacher and teacher is None:
-        raise ValueError(f"kd_weight={settings.kd_weight} needs a teacher model (the unquantized model); pass teacher=")
-    if settings.checkpoint_every and checkpoint_dir is None:
-        raise ValueError(f"checkpoint_every={settings.checkpoint_every} needs a checkpoint directory")
+    _check_inputs(windows, settings, teacher, checkpoint_dir)
     device = next(model.parameters()).device
     autocast = _autocast(device, settings.dtype)
     weights, qparams = parameter_groups(model)
     trainable = {**weights, **qparams}
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         p.requires_grad_(False)
     for p in trainable.values():
         p.requires_grad_(True)
-    groups = [{"params": list(weights.values()), "lr": settings.lr, "peak_lr": settings.lr}]
-    if qparams:
-        groups.append({"params": list(qparams.values()), "lr": settings.scale_lr, "peak_lr": settings.scale_lr,
-                       "weight_decay": 0.0})
-    optimizer = torch.optim.AdamW(groups, lr=settings.lr, weight_decay=settings.weight_decay)
+    optimizer = _optimizer(weights, qparams, settings)
     scaler = torch.amp.GradScaler("cuda") if settings.dtype == "float16" else None
     fp = _fingerprint(settings, fingerprint, len(windows), sorted(trainable))
-    start, history, elapsed, last_saved = 0, [], 0.0, None
+    start, history, elapsed = 0, [], 0.0
     state = load_checkpoint(checkpoint_dir)
     if state is not None:
-        if state.get("fingerprint") != fp:
-            raise ValueError(f"checkpoint in {checkpoint_dir} was written by a different run or config; delete it to start over")
-        with torch.no_grad():
-            for name, value in state["params"].items():
-                trainable[name].copy_(value)
-        optimizer.load_state_dict(state["optimizer"])
-        if scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        set_rng_state(state["rng"])
-        start, history, elapsed, last_saved = state["step"], list(state["history"]), state["elapsed_s"], state["step"]
-        log.info("resuming QAT from step %d (%s)", start, checkpoint_dir)
+        start, history, elapsed = _restore(state, fp, trainable, optimizer, scaler, checkpoint_dir)
+    last_saved = start or None
     order_cache: dict = {}
     was_training = model.training
     model.train()
@@ -181,32 +221,20 @@ def train(
         for step in bar:
             for group in optimizer.param_groups:
                 group["lr"] = group["peak_lr"] * settings.lr_factor(step)
-            optimizer.zero_grad(set_to_none=True)
-            step_loss = 0.0
+            batches = []
             for micro in range(settings.grad_accum):
                 first = (step * settings.grad_accum + micro) * settings.batch_size
                 idx = [window_index(first + b, len(windows), settings.seed, order_cache) for b in range(settings.batch_size)]
-                loss = _loss(model, teacher, windows[idx].to(device), settings, autocast)
-                if not torch.isfinite(loss):
-                    raise _diverged("loss", loss.item(), step + 1, settings, checkpoint_dir, last_saved)
-                scaled = loss / settings.grad_accum
-                (scaler.scale(scaled) if scaler else scaled).backward()
-                step_loss += loss.item() / settings.grad_accum
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            params = list(trainable.values())
-            norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip if settings.grad_clip > 0 else math.inf)
-            if not torch.isfinite(norm) and scaler is None:
-                raise _diverged("gradient norm", norm.item(), step + 1, settings, checkpoint_dir, last_saved)
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            history.append(step_loss)
-            bar.set_postfix(loss=f"{step_loss:.4f}")
+                batches.append(windows[idx].to(device))
+
+            def diverged(what, value, step=step):
+                return _diverged(what, value, step + 1, settings, checkpoint_dir, last_saved)
+
+            history.append(_optimizer_step(model, teacher, batches, settings, autocast, optimizer, scaler,
+                                           list(trainable.values()), diverged))
+            bar.set_postfix(loss=f"{history[-1]:.4f}")
             done = step + 1
-            if settings.checkpoint_every and (done % settings.checkpoint_every == 0) and done < settings.steps:
+            if settings.checkpoint_every and done % settings.checkpoint_every == 0 and done < settings.steps:
                 save_checkpoint(checkpoint_dir, {
                     "step": done, "params": {n: p.detach().clone() for n, p in trainable.items()},
                     "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler else None,
