@@ -33,6 +33,7 @@ TABLE_COLUMNS = [
     ("train_tokens", "train tokens", "{:.0f}"),
     ("train_loss_final", "train loss final", "{:.4f}"),
     ("train_s", "train s", "{:.1f}"),
+    ("train_dtype", "train dtype", "{}"),
 ]
 
 
