@@ -58,11 +58,15 @@ def run_calibration(model: nn.Module, batches: Iterable[torch.Tensor], desc: str
     return n
 
 
-def quantize(model: nn.Module, config: Any, calibration: Iterable[torch.Tensor] | None = None) -> dict:
+def quantize(
+    model: nn.Module, config: Any, calibration: Iterable[torch.Tensor] | None = None,
+    training: Any = None, teacher: nn.Module | None = None, checkpoint_dir: Any = None, progress: bool = True,
+) -> dict:
     """Quantize `model` in place with `config`; returns a small summary dict.
 
-    Runs method.prepare, method.calibrate (when the method needs data) and
-    method.convert. `calibration` is an iterable of (1, T) token-id tensors.
+    Runs method.prepare, method.calibrate (when the method needs data), method.train
+    (QAT: `training` token windows, `teacher` for distillation, resumable from
+    `checkpoint_dir`) and method.convert. `calibration` is an iterable of (1, T) token-id tensors.
     """
     method = get_method(config)
     t0 = time.perf_counter()
@@ -73,13 +77,19 @@ def quantize(model: nn.Module, config: Any, calibration: Iterable[torch.Tensor] 
             raise ValueError(f"method {method.name!r} needs calibration data; pass calibration=[...]")
         method.calibrate(model, config, calibration)
     t2 = time.perf_counter()
+    train_stats = {}
+    if method.needs_training_for(config):
+        if training is None:
+            raise ValueError(f"method {method.name!r} trains; pass training=[...] token windows (never the test split)")
+        train_stats = method.train(model, config, training, teacher, checkpoint_dir, progress)
+    t2b = time.perf_counter()
     method.convert(model, config)
     t3 = time.perf_counter()
-    return {
+    return {**train_stats,
         "method": method.name,
         "quantized_layers": len(quant_linears(model)),
         "prepare_s": t1 - t0,
         "calibrate_s": t2 - t1,
-        "convert_s": t3 - t2,
+        "convert_s": t3 - t2b,
         "quantize_s": t3 - t0,
     }

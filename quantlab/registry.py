@@ -57,6 +57,19 @@ class Method:
     def convert(self, model: nn.Module, config: Any) -> None:
         pass
 
+    def needs_training_for(self, config: Any) -> bool:
+        """Whether this config has a train phase (QAT) between calibrate and convert."""
+        return False
+
+    def needs_teacher_for(self, config: Any) -> bool:
+        """Whether train() needs the unquantized model (distillation)."""
+        return False
+
+    def train(self, model: nn.Module, config: Any, data: Any, teacher: nn.Module | None = None,
+              checkpoint_dir: Any = None, progress: bool = True) -> dict:
+        """Fine-tune the prepared, calibrated model in place; returns train_* stats for the row."""
+        return {}
+
 
 def register_method(cls: type[Method]) -> type[Method]:
     """Class decorator: make a Method available by its `name`."""

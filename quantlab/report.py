@@ -35,6 +35,11 @@ TABLE_COLUMNS = [
     ("decode_speedup", "× decode speed", "{:.2f}"),
     ("prefill_speedup", "× prefill speed", "{:.2f}"),
     ("calibrate_s", "calibrate s", "{:.1f}"),
+    ("train_steps", "train steps", "{:.0f}"),
+    ("train_tokens", "train tokens", "{:.0f}"),
+    ("train_loss_final", "train loss final", "{:.4f}"),
+    ("train_s", "train s", "{:.1f}"),
+    ("train_dtype", "train dtype", "{}"),
 ]
 # the best value of these columns (among the quantized runs) is bold in the Markdown table
 LOWER_IS_BETTER = {"ppl", "ppl_delta_pct", "kl_mean", "layer_rel_err_mean", "layer_rel_err_max", "weight_mib",
@@ -56,6 +61,8 @@ def scheme(cfg: dict, dtype: str) -> str:
         text = scheme(cfg["base"], dtype)
     else:
         return dtype
+    if cfg["method"] == "qat":
+        text += f" + QAT {'LSQ' if cfg.get('learn_scales', True) else 'STE'}"
     if "act_bits" in cfg:
         kind = "dynamic" if cfg["method"] == "dynamic" else f"static {cfg.get('act_granularity', '')} {cfg.get('observer', '')}"
         text += f" + a{cfg['act_bits']} {kind.strip()}"

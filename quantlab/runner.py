@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import shutil
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,7 +23,7 @@ from .envinfo import environment
 from .eval import measure_latency, peak_memory_mib, perplexity, reference_logprobs, reset_peak_memory, weight_stats
 from .eval.embedding import embedding_fidelity, layer_output_errors, mean_pooled_embeddings, sentences_from_text
 from .experiment import Experiment, RunSpec
-from .models import load_model, model_info, resolve_device
+from .models import default_cache_dir, load_model, model_info, resolve_device
 from .registry import get_method
 from .report import scheme, write_report
 
@@ -51,7 +52,9 @@ def non_default_fields(obj) -> dict:
 
 
 def run_key(exp: Experiment, run: RunSpec, device: torch.device) -> str:
-    needs_calib = get_method(run.config).needs_calibration_for(run.config)
+    method = get_method(run.config)
+    # training (QAT) reads its windows from the calibration protocol too
+    needs_calib = method.needs_calibration_for(run.config) or method.needs_training_for(run.config)
     ident = {
         "run": {"name": run.name, "method": get_method(run.config).name, **non_default_fields(run.config)},
         "model": exp.model, "dtype": exp.dtype, "seed": exp.seed, "device": device.type,
@@ -155,8 +158,13 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
     model = copy.deepcopy(ctx.model)
     method = get_method(run.config)
     needs_calib = method.needs_calibration_for(run.config)
-    calib = [w.unsqueeze(0) for w in ctx.calibration(seed)] if needs_calib else None
-    summary = quantize(model, run.config, calibration=calib)
+    needs_train = method.needs_training_for(run.config)
+    calib = [w.unsqueeze(0) for w in ctx.calibration(seed)] if needs_calib or needs_train else None
+    checkpoints = Path(ctx.cache_dir or default_cache_dir()) / "checkpoints" / run_key(exp, run, ctx.device)
+    summary = quantize(model, run.config, calibration=calib if needs_calib else None,
+                       training=calib if needs_train else None,
+                       teacher=ctx.model if method.needs_teacher_for(run.config) else None,
+                       checkpoint_dir=checkpoints if needs_train else None, progress=ctx.progress)
     reset_peak_memory(ctx.device)
     t0 = time.perf_counter()
     row = (_embedding_metrics if exp.eval.metric == "embedding" else _perplexity_metrics)(ctx, model)
@@ -167,11 +175,13 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
         row.update(measure_latency(model, prompt, new_tokens, repeats=exp.eval.latency_repeats))
     row.update(peak_memory_mib(ctx.device))
     row.update(weight_stats(model))
-    row.update({k: v for k, v in summary.items() if k.endswith("_s")})
-    if needs_calib:
+    row.update({k: v for k, v in summary.items() if k.endswith("_s") or k.startswith("train_")})
+    if needs_calib or needs_train:
         c = exp.calibration
         row.update(calib_source=ctx.calib_source, calib_samples=c.num_samples, calib_seq_len=c.seq_len)
     del model
+    if needs_train and checkpoints.exists():  # the row is about to be saved: the run will not resume
+        shutil.rmtree(checkpoints)
     return row
 
 

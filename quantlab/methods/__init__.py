@@ -3,3 +3,4 @@
 Adding a method: one file here, one import line below, one test file.
 """
 from . import awq, dynamic, gptq, none, rtn, smoothquant, static  # noqa: F401
+from . import qat  # noqa: F401  (after the methods it builds on)
