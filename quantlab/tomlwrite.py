@@ -112,7 +112,16 @@ def experiment_dict(exp) -> dict:
                  if getattr(proto, f.name) != defaults.get(f.name)}
         if table:
             data[k] = table
-    data["run"] = [{"name": r.name, **compact_config(r.config)} for r in exp.runs]
+    if exp.seeds is not None:
+        data["seeds"] = list(exp.seeds)
+    data["run"] = []
+    for r in exp.runs:  # runs expanded from `seeds` fold back into one table with its seeds list
+        if r.seed is None:
+            data["run"].append({"name": r.name, **compact_config(r.config)})
+        elif data["run"] and data["run"][-1]["name"] == r.group and "seeds" in data["run"][-1]:
+            data["run"][-1]["seeds"].append(r.seed)
+        else:
+            data["run"].append({"name": r.group, **compact_config(r.config), "seeds": [r.seed]})
     return data
 
 
