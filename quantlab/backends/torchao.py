@@ -1,0 +1,119 @@
+"""Export a quantlab-quantized model to torchao kernels, in place, and check parity.
+
+    summary = export_torchao(model)                       # every layer with a kernel is swapped
+    summary = export_with_parity(model, ids)              # + logits vs the dequantized model
+
+Layers without a kernel on the device stay QuantLinear (simulated) and the summary says why.
+When an exported kernel computes in bf16 (int4), the float parts of the model are cast to bf16
+too; QuantLinear scales stay as stored, so remaining simulated layers keep their exact grid.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+from collections import Counter
+
+import torch
+from torch import nn
+
+from ..api import quant_linears, set_submodule
+from ..qlinear import QuantLinear
+from .kernels import KERNEL_DTYPE, choose_kernel
+from .modules import BUILDERS, TorchaoLinear
+
+# Max |logits - reference| / max |reference| allowed on export, per kernel (the loosest present applies).
+# int8 weight-only: the same products summed in another order (fp32). int8 dynamic: torchao picks
+# activation scales as amax/127.5 where quantlab uses amax/127, so codes differ by one step on some
+# entries. int4: bf16 kernel vs bf16 dequantized matmul (different accumulation order and rounding).
+PARITY_TOLERANCE = {"int8_weight_only": 1e-4, "int8_dynamic": 0.08, "int4_cpu": 0.03, "int4_cuda": 0.03}
+
+
+def torchao_available() -> bool:
+    return importlib.util.find_spec("torchao") is not None
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device if any(True for _ in model.parameters()) else next(model.buffers()).device
+
+
+def cast_float_parts(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast float params/buffers to dtype, except QuantLinear's scales (kept exactly as stored)."""
+    for module in model.modules():
+        keep = {"scale"} if isinstance(module, QuantLinear) else set()
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        for name, b in module.named_buffers(recurse=False):
+            if name not in keep and b is not None and b.is_floating_point() and b.dtype != dtype:
+                module._buffers[name] = b.to(dtype)
+
+
+def plan_export(model: nn.Module, device: torch.device | None = None) -> dict:
+    """name -> KernelChoice for every QuantLinear (nothing is changed)."""
+    device = device or _model_device(model)
+    return {name: choose_kernel(layer, device) for name, layer in quant_linears(model).items()}
+
+
+def _compute_dtype(model: nn.Module, kernels: set[str]) -> torch.dtype:
+    wanted = {KERNEL_DTYPE[k] for k in kernels if k in KERNEL_DTYPE}
+    float_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    return wanted.pop() if wanted else float_dtype
+
+
+def export_torchao(model: nn.Module, device: torch.device | None = None) -> dict:
+    """Swap every QuantLinear that has a torchao kernel on `device` for a TorchaoLinear, in place.
+
+    Returns {backend, backend_kernels, backend_note, exported_layers, simulated_layers, export_dtype}.
+    backend: "torchao" (all layers), "torchao+simulated" (some), "simulated" (none, or no torchao).
+    """
+    plan = plan_export(model, device)
+    if not plan:
+        raise ValueError("export_torchao: the model has no QuantLinear layers (quantize it first)")
+    if not torchao_available():
+        plan = {n: type(c)(None, "torchao is not installed") for n, c in plan.items()}
+    chosen = {n: c.kernel for n, c in plan.items() if c.kernel}
+    dtype = _compute_dtype(model, set(chosen.values()))
+    cast_float_parts(model, dtype)
+    layers = quant_linears(model)
+    for name, kernel in chosen.items():
+        layer = layers[name]
+        weight = BUILDERS[kernel](layer, dtype)
+        set_submodule(model, name, TorchaoLinear(weight, layer.bias, kernel))
+    reasons = Counter(c.reason for c in plan.values() if not c.kernel)
+    n_sim = sum(reasons.values())
+    backend = "simulated" if not chosen else ("torchao" if not n_sim else "torchao+simulated")
+    note = "; ".join(f"{k} ({v} layers)" for k, v in reasons.items())
+    return {
+        "backend": backend,
+        "backend_kernels": ", ".join(f"{k}:{v}" for k, v in sorted(Counter(chosen.values()).items())),
+        "backend_note": note or f"all {len(chosen)} quantized layers run torchao kernels",
+        "exported_layers": len(chosen), "simulated_layers": n_sim, "export_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+@torch.inference_mode()
+def logits_diff(model: nn.Module, reference: nn.Module, ids: torch.Tensor) -> dict:
+    """Max abs and max relative (to max |reference|) difference of the logits on ids (B, T)."""
+    ids = ids.to(_model_device(model))
+    a = model(ids, use_cache=False).logits.float()
+    b = reference(ids, use_cache=False).logits.float()
+    diff = (a - b).abs().max().item()
+    return {"export_parity_max_abs": diff, "export_parity_max_rel": diff / max(b.abs().max().item(), 1e-12)}
+
+
+def export_with_parity(model: nn.Module, ids: torch.Tensor, device: torch.device | None = None) -> dict:
+    """export_torchao + parity of the logits on ids against the dequantized (simulated) model.
+
+    The reference is the model before export, cast to the export dtype, so the check isolates the
+    kernels. The row gets export_parity_max_abs / _max_rel / _tol / _ok.
+    """
+    reference = copy.deepcopy(model)
+    summary = export_torchao(model, device)
+    if summary["exported_layers"] == 0:
+        return summary
+    cast_float_parts(reference, getattr(torch, summary["export_dtype"]))
+    parity = logits_diff(model, reference, ids)
+    kernels = {k.split(":")[0] for k in summary["backend_kernels"].split(", ")}
+    tol = max(PARITY_TOLERANCE[k] for k in kernels)
+    del reference
+    return summary | parity | {"export_parity_tol": tol, "export_parity_ok": parity["export_parity_max_rel"] <= tol}
