@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import packing
-from ..primitives import code_range
+from ..primitives import code_range, qparams, quantize
 from ..qlinear import QuantLinear
 
 
@@ -37,18 +37,17 @@ def _act_pre_scale(layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor | Non
     return None if layer.input_scale is None else (1.0 / layer.input_scale.float()).to(dtype)
 
 
-def int8_tensor(layer: QuantLinear, dtype: torch.dtype, dynamic: bool):
-    """Int8Tensor (per-row symmetric) from int8 per-channel symmetric codes; dynamic adds per-token int8 activations."""
-    from torchao.quantization import MappingType, PerRow
-    from torchao.quantization.quantize_.workflows import Int8Tensor, QuantizeTensorToInt8Kwargs
+def signed_int8_codes(layer: QuantLinear) -> torch.Tensor:
+    """(out, in) int8 codes q of an int8 symmetric layer (u - 128)."""
+    return (unsigned_codes(layer).to(torch.int16) + code_range(8, True)[0]).to(torch.int8).contiguous()
 
-    q = (unsigned_codes(layer).to(torch.int16) + code_range(8, True)[0]).to(torch.int8)  # (out, in) signed
-    act_kwargs = None
-    if dynamic:
-        mapping = MappingType.SYMMETRIC if layer.act_quant.symmetric else MappingType.ASYMMETRIC
-        act_kwargs = QuantizeTensorToInt8Kwargs(granularity=PerRow(), mapping_type=mapping)
-    return Int8Tensor(q.contiguous(), layer.scale.float().reshape(-1, 1).contiguous(), [1, layer.in_features], dtype,
-                      act_quant_kwargs=act_kwargs, act_pre_scale=_act_pre_scale(layer, dtype))
+
+def int8_tensor(layer: QuantLinear, dtype: torch.dtype):
+    """torchao Int8Tensor (per-row symmetric, weight-only kernel) from int8 per-channel symmetric codes."""
+    from torchao.quantization.quantize_.workflows import Int8Tensor
+
+    return Int8Tensor(signed_int8_codes(layer), layer.scale.float().reshape(-1, 1).contiguous(),
+                      [1, layer.in_features], dtype, act_pre_scale=_act_pre_scale(layer, dtype))
 
 
 def _tinygemm_scale_zero(layer: QuantLinear) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,9 +122,58 @@ class TorchaoLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, torchao {self.kernel}"
 
 
-BUILDERS = {
-    "int8_weight_only": lambda layer, dtype: int8_tensor(layer, dtype, dynamic=False),
-    "int8_dynamic": lambda layer, dtype: int8_tensor(layer, dtype, dynamic=True),
-    "int4_cpu": lambda layer, dtype: int4_cpu_tensor(layer),
-    "int4_cuda": lambda layer, dtype: int4_cuda_tensor(layer),
-}
+class Int8DynamicLinear(nn.Module):
+    """W8A8 dynamic on torchao's int8 GEMM (torchao.kernel.int_scaled_matmul: torch._int_mm, AMX/VNNI on CPU).
+
+    Activations are quantized per token with quantlab's own qparams (scale = amax / 127, or the
+    asymmetric min/max grid), so the integer codes equal the simulated model's and only the float
+    rounding of the accumulation differs. torchao's Int8Tensor dynamic path would pick
+    amax / 127.5, i.e. another activation grid than the one quantlab evaluated.
+    Asymmetric activations: u - 128 fits int8, and y -= (zero - 128) * rowsum(W_q) corrects it.
+    """
+
+    kernel = "int8_dynamic"
+
+    def __init__(self, layer: QuantLinear, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = layer.out_features, layer.in_features
+        self.act_bits, self.act_symmetric = layer.act_quant.bits, layer.act_quant.symmetric
+        self.register_buffer("qweight", signed_int8_codes(layer))  # (out, in) int8
+        self.register_buffer("weight_scale", layer.scale.float().reshape(-1))  # (out,)
+        self.register_buffer("weight_row_sum", self.qweight.sum(dim=1, dtype=torch.int32))  # (out,)
+        self.register_buffer("input_scale", None if layer.input_scale is None else layer.input_scale.to(dtype).clone())
+        self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torchao.kernel import int_scaled_matmul
+
+        if self.input_scale is not None:
+            x = x / self.input_scale.to(x.dtype)
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        p = qparams(x2.float(), self.act_bits, None, self.act_symmetric)  # scale (M, 1) fp32, as DynamicActQuant
+        codes = quantize(x2, p, self.act_bits, None)  # integer-valued floats, like the simulated path
+        if not self.act_symmetric:
+            codes = codes - 128
+        x_scale = p.scale.float()
+        y = int_scaled_matmul(codes.to(torch.int8).contiguous(), self.qweight.t(), x_scale)  # (M, N) fp32
+        if not self.act_symmetric:
+            y = y - ((p.zero.float() - 128) * x_scale) * self.weight_row_sum.float()
+        y = (y * self.weight_scale).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def storage_bytes(self) -> int:
+        return self.qweight.nbytes + self.weight_scale.nbytes
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, torchao int8_dynamic (a{self.act_bits} per-token)"
+
+
+def build_module(kernel: str, layer: QuantLinear, dtype: torch.dtype) -> nn.Module:
+    """The exported module for one frozen layer and its chosen kernel."""
+    if kernel == "int8_dynamic":
+        return Int8DynamicLinear(layer, dtype)
+    weight = {"int8_weight_only": lambda: int8_tensor(layer, dtype), "int4_cpu": lambda: int4_cpu_tensor(layer),
+              "int4_cuda": lambda: int4_cuda_tensor(layer)}[kernel]()
+    return TorchaoLinear(weight, layer.bias, kernel)

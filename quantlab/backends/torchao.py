@@ -19,14 +19,17 @@ from torch import nn
 from ..api import quant_linears, set_submodule
 from ..qlinear import QuantLinear
 from .kernels import KERNEL_DTYPE, choose_kernel
-from .modules import BUILDERS, TorchaoLinear
+from .modules import build_module
 
-# Max |logits - reference| / max |reference| allowed on export, per kernel (the loosest present applies).
-# int8 weight-only: the same products summed in another order (fp32). int8 dynamic: torchao picks
-# activation scales as amax/127.5 where quantlab uses amax/127, so codes differ by one step on some
-# entries. int4: bf16 kernel vs bf16 dequantized matmul (different accumulation order and rounding).
-PARITY_TOLERANCE = {"int8_weight_only": 1e-4, "int8_dynamic": 0.08, "int4_cpu": 0.03, "int4_cuda": 0.03}
-
+# Kernel parity, per exported layer: max |y_kernel - y_simulated| / max |y_simulated| on the same
+# random input (the `ok` flag of a row). int8: the same integer codes (weights and, for dynamic, the
+# per-token activation codes, computed by quantlab's own qparams), summed in another order in fp32.
+# int4: a bf16 tinygemm kernel vs the bf16 dequantized matmul (other accumulation and rounding).
+PARITY_TOLERANCE = {"int8_weight_only": 1e-5, "int8_dynamic": 1e-5, "int4_cpu": 2e-2, "int4_cuda": 2e-2}
+# End-to-end logits are recorded too (export_parity_logits_*), not gated: with dynamic activation
+# quantization a float rounding difference can flip one activation code, and on SmolLM2's massive
+# activation outliers (|x| ~ 2e4) one code step is ~150, so such flips grow through 30 layers
+# (measured: logits rel RMS 0.04-0.08 vs the simulated model, which is itself 0.12 from fp32).
 
 def torchao_available() -> bool:
     return importlib.util.find_spec("torchao") is not None
@@ -76,9 +79,7 @@ def export_torchao(model: nn.Module, device: torch.device | None = None) -> dict
     cast_float_parts(model, dtype)
     layers = quant_linears(model)
     for name, kernel in chosen.items():
-        layer = layers[name]
-        weight = BUILDERS[kernel](layer, dtype)
-        set_submodule(model, name, TorchaoLinear(weight, layer.bias, kernel))
+        set_submodule(model, name, build_module(kernel, layers[name], dtype))
     reasons = Counter(c.reason for c in plan.values() if not c.kernel)
     n_sim = sum(reasons.values())
     backend = "simulated" if not chosen else ("torchao" if not n_sim else "torchao+simulated")
@@ -93,27 +94,54 @@ def export_torchao(model: nn.Module, device: torch.device | None = None) -> dict
 
 @torch.inference_mode()
 def logits_diff(model: nn.Module, reference: nn.Module, ids: torch.Tensor) -> dict:
-    """Max abs and max relative (to max |reference|) difference of the logits on ids (B, T)."""
+    """Max abs, max relative (to max |reference|) and relative RMS difference of the logits on ids (B, T)."""
     ids = ids.to(_model_device(model))
     a = model(ids, use_cache=False).logits.float()
     b = reference(ids, use_cache=False).logits.float()
     diff = (a - b).abs().max().item()
-    return {"export_parity_max_abs": diff, "export_parity_max_rel": diff / max(b.abs().max().item(), 1e-12)}
+    return {"export_parity_logits_max_abs": diff,
+            "export_parity_logits_max_rel": diff / max(b.abs().max().item(), 1e-12),
+            "export_parity_logits_rel_rms": ((a - b).norm() / b.norm().clamp_min(1e-12)).item()}
+
+
+@torch.inference_mode()
+def layer_parity(model: nn.Module, reference: nn.Module, tokens: int = 8, seed: int = 0) -> dict:
+    """Per exported layer, max |y - y_ref| / max |y_ref| on one seeded random input (tokens, in).
+
+    Returns {layer name: relative error} for every layer that is exported in `model`
+    and a QuantLinear in `reference`.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    ref_layers, out = quant_linears(reference), {}
+    for name, module in model.named_modules():
+        if name in ref_layers and not isinstance(module, QuantLinear):
+            ref = ref_layers[name]
+            dtype = next(p.dtype for p in reference.parameters() if p.is_floating_point())
+            x = torch.randn(tokens, ref.in_features, generator=gen).to(dtype=dtype, device=ref.scale.device)
+            y_ref = ref(x).float()
+            out[name] = ((module(x).float() - y_ref).abs().max() / y_ref.abs().max().clamp_min(1e-12)).item()
+    return out
 
 
 def export_with_parity(model: nn.Module, ids: torch.Tensor, device: torch.device | None = None) -> dict:
     """export_torchao + parity of the logits on ids against the dequantized (simulated) model.
 
     The reference is the model before export, cast to the export dtype, so the check isolates the
-    kernels. The row gets export_parity_max_abs / _max_rel / _tol / _ok.
+    kernels. Gate (export_parity_ok): every layer's kernel output within PARITY_TOLERANCE of its
+    simulated output; the logits differences on ids are recorded alongside.
     """
     reference = copy.deepcopy(model)
     summary = export_torchao(model, device)
     if summary["exported_layers"] == 0:
         return summary
     cast_float_parts(reference, getattr(torch, summary["export_dtype"]))
+    kernels = {n: m.kernel for n, m in model.named_modules() if hasattr(m, "kernel")}
+    errors = layer_parity(model, reference)
+    worst = max(errors, key=lambda n: errors[n] / PARITY_TOLERANCE[kernels[n]])
     parity = logits_diff(model, reference, ids)
-    kernels = {k.split(":")[0] for k in summary["backend_kernels"].split(", ")}
-    tol = max(PARITY_TOLERANCE[k] for k in kernels)
     del reference
-    return summary | parity | {"export_parity_tol": tol, "export_parity_ok": parity["export_parity_max_rel"] <= tol}
+    tol = PARITY_TOLERANCE[kernels[worst]]
+    return summary | parity | {
+        "export_parity_layer_max_rel": max(errors.values()), "export_parity_worst_layer": worst,
+        "export_parity_tol": tol, "export_parity_ok": errors[worst] <= tol,
+    }
