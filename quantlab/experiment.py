@@ -95,6 +95,12 @@ class CalibrationProtocol:
 class RunSpec:
     name: str
     config: Any
+    backend: str = "simulated"  # "simulated" | "torchao" | "auto": export to real kernels before evaluating
+
+    def __post_init__(self):
+        from .backends import check_backend
+
+        check_backend(self.backend)
 
     def to_dict(self) -> dict:
         return {"name": self.name, **config_to_dict(self.config)}
@@ -128,8 +134,9 @@ def _parse_run(i: int, table: dict, where: str) -> RunSpec:
     name = table.pop("name", None)
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}: [[run]] #{i + 1} needs a non-empty 'name'")
+    backend = table.pop("backend", "simulated")
     try:
-        return RunSpec(name, make_config(table))
+        return RunSpec(name, make_config(table), backend)
     except (ValueError, KeyError, TypeError) as e:
         msg = e.args[0] if e.args else str(e)
         raise ValueError(f"{where}: run {name!r}: {msg}") from None

@@ -13,6 +13,7 @@ import pandas as pd
 TABLE_COLUMNS = [
     ("run", "run", "{}"),
     ("scheme", "scheme", "{}"),
+    ("backend", "backend", "{}"),
     ("ppl", "ppl ↓", "{:.3f}"),
     ("ppl_delta_pct", "Δppl %", "{:+.2f}"),
     ("kl_mean", "KL ↓", "{:.5f}"),
@@ -123,8 +124,12 @@ def environment_text(df: pd.DataFrame) -> str:
 
 def backend_text(df: pd.DataFrame) -> str:
     backends = ", ".join(f"`{b}`" for b in df["backend"].unique())
-    return (f"**Backend.** {backends}. Simulated rows hold real integer codes (weight bytes are real) "
+    text = (f"**Backend.** {backends}. Simulated rows hold real integer codes (weight bytes are real) "
             "but dequantize them in PyTorch each forward, so their latency is not a low-bit kernel's.")
+    if df["backend"].astype(str).str.startswith("torchao").any():
+        text += (" `torchao` rows were exported from the same codes to torchao kernels (`backend_kernels`); their "
+                 "latency and memory are real; `export_parity_*` columns hold the kernel-vs-simulated check.")
+    return text
 
 
 def write_report(name: str, rows: list[dict], reports_dir: str | Path, description: str = "") -> pd.DataFrame:

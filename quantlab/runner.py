@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .api import quantize
+from .backends import export_for_run
 from .data import calibration_windows, eval_windows, load_text, load_token_ids, tokenize
 from .envinfo import environment
 from .eval import measure_latency, peak_memory_mib, perplexity, reference_logprobs, reset_peak_memory, weight_stats
@@ -53,7 +54,8 @@ def non_default_fields(obj) -> dict:
 def run_key(exp: Experiment, run: RunSpec, device: torch.device) -> str:
     needs_calib = get_method(run.config).needs_calibration_for(run.config)
     ident = {
-        "run": {"name": run.name, "method": get_method(run.config).name, **non_default_fields(run.config)},
+        "run": {"name": run.name, "method": get_method(run.config).name, **non_default_fields(run.config),
+                **({"backend": run.backend} if run.backend != "simulated" else {})},
         "model": exp.model, "dtype": exp.dtype, "seed": exp.seed, "device": device.type,
         "eval": non_default_fields(exp.eval),
         "calibration": non_default_fields(exp.calibration) if needs_calib else None,
@@ -145,6 +147,7 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
     needs_calib = method.needs_calibration_for(run.config)
     calib = [w.unsqueeze(0) for w in ctx.calibration()] if needs_calib else None
     summary = quantize(model, run.config, calibration=calib)
+    exported = export_for_run(model, run.backend, method.name, ctx.eval_ids[:64].unsqueeze(0))
     reset_peak_memory(ctx.device)
     t0 = time.perf_counter()
     row = (_embedding_metrics if exp.eval.metric == "embedding" else _perplexity_metrics)(ctx, model)
@@ -156,6 +159,7 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
     row.update(peak_memory_mib(ctx.device))
     row.update(weight_stats(model))
     row.update({k: v for k, v in summary.items() if k.endswith("_s")})
+    row.update(exported)
     if needs_calib:
         c = exp.calibration
         row.update(calib_source=ctx.calib_source, calib_samples=c.num_samples, calib_seq_len=c.seq_len)
@@ -194,7 +198,8 @@ def run_experiment(
                 "run": run.name, "method": cfg["method"], "scheme": scheme(cfg, exp.dtype),
                 "bits": cfg.get("bits"), "group_size": cfg.get("group_size"), "symmetric": cfg.get("symmetric"),
                 **metrics,
-                "backend": "float" if cfg["method"] == "none" else "simulated (PyTorch dequant on the fly)",
+                "backend": metrics.get("backend") or (
+                    "float" if cfg["method"] == "none" else "simulated (PyTorch dequant on the fly)"),
                 "model": exp.model, "dtype": exp.dtype, "seed": exp.seed,
                 "eval_metric": exp.eval.metric, "eval_dataset": exp.eval.dataset, "eval_split": exp.eval.split,
                 "eval_source": ctx.eval_source, "bos": "none", **env,

@@ -40,6 +40,16 @@ def export_model(model: nn.Module, backend: str, probe_ids: torch.Tensor | None 
     return export_with_parity(model, probe_ids)
 
 
-__all__ = ["BACKENDS", "KERNELS", "KernelChoice", "PARITY_TOLERANCE", "TorchaoLinear", "check_backend",
+def export_for_run(model: nn.Module, backend: str, method: str, probe_ids: torch.Tensor) -> dict:
+    """The runner's hook: {} for the default simulated backend (rows keep their old columns),
+    a plain 'float' for unquantized runs, else export_model's summary (with parity)."""
+    if backend == "simulated":
+        return {}
+    if method == "none":
+        return {"backend": "float", "backend_note": f"backend {backend!r}: nothing quantized to export"}
+    return export_model(model, backend, probe_ids)
+
+
+__all__ = ["export_for_run", "BACKENDS", "KERNELS", "KernelChoice", "PARITY_TOLERANCE", "TorchaoLinear", "check_backend",
            "choose_kernel", "export_model", "export_torchao", "export_with_parity", "logits_diff", "plan_export",
            "torchao_available"]

@@ -92,12 +92,17 @@ def export_torchao(model: nn.Module, device: torch.device | None = None) -> dict
     }
 
 
+def _outputs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    out = model(ids, use_cache=False)
+    logits = getattr(out, "logits", None)
+    return (logits if logits is not None else out.last_hidden_state).float()  # encoders: hidden states
+
+
 @torch.inference_mode()
 def logits_diff(model: nn.Module, reference: nn.Module, ids: torch.Tensor) -> dict:
     """Max abs, max relative (to max |reference|) and relative RMS difference of the logits on ids (B, T)."""
     ids = ids.to(_model_device(model))
-    a = model(ids, use_cache=False).logits.float()
-    b = reference(ids, use_cache=False).logits.float()
+    a, b = _outputs(model, ids), _outputs(reference, ids)
     diff = (a - b).abs().max().item()
     return {"export_parity_logits_max_abs": diff,
             "export_parity_logits_max_rel": diff / max(b.abs().max().item(), 1e-12),

@@ -72,9 +72,10 @@ def measure_latency(
 
     >>> measure_latency(model, ids[:128].unsqueeze(0), new_tokens=16)["decode_ms_per_token_p50"]
     """
-    if repeats < 1 or new_tokens < 0 or warmup < 0 or min_time_s < 0:
-        raise ValueError(f"need repeats >= 1, new_tokens >= 0, warmup >= 0, min_time_s >= 0; got "
-                         f"{repeats}, {new_tokens}, {warmup}, {min_time_s}")
+    if repeats < 1 or new_tokens < 0:
+        raise ValueError(f"repeats must be >= 1 and new_tokens >= 0, got {repeats} and {new_tokens}")
+    if warmup < 0 or min_time_s < 0:
+        raise ValueError(f"warmup and min_time_s must be >= 0, got {warmup} and {min_time_s}")
     if prompt.dim() != 2 or prompt.shape[1] < 1:
         raise ValueError(f"prompt must be (batch, tokens) with tokens >= 1, got shape {tuple(prompt.shape)}")
     device = next(model.parameters()).device
