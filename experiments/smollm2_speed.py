@@ -61,7 +61,7 @@ def _memory(cfg: BenchConfig, save_dir: Path, batch: int, prefill: int, decode: 
     else:
         spec |= {"quantized_dir": str(save_dir / cfg.name), "backend": cfg.backend}
     m = measure_peak_memory(spec)
-    return {"peak_rss_mib": m["peak_rss_mib"], "peak_rss_lifetime_mib": m["peak_rss_lifetime_mib"],
+    return {"peak_rss_mib": m["peak_rss_mib"], "load_peak_rss_mib": m["load_peak_rss_mib"],
             "loaded_rss_mib": m["loaded_rss_mib"]}
 
 
@@ -128,8 +128,8 @@ def _markdown(df, prefill, decode, rounds, threads, wall_s) -> str:
         f"(all passed: {bool(parity['export_parity_ok'].all()) if len(parity) else 'n/a'}).",
         "**Memory.** Peak RSS of a fresh subprocess per configuration and batch: the model is loaded "
         "(float: from the checkpoint; quantized: `load_quantized` of the saved codes, then exported), the "
-        "peak is reset (`/proc/self/clear_refs`), and one prefill + decode pass runs; `peak_rss_lifetime_mib` "
-        "in the CSV includes loading. Estimate: `quantlab estimate` for the same shapes (seq_len = prefill + "
+        "freed heap is returned to the OS (`malloc_trim`), the peak is reset (`/proc/self/clear_refs`), and one "
+        "prefill + decode pass runs; `load_peak_rss_mib` in the CSV is the peak while loading. Estimate: `quantlab estimate` for the same shapes (seq_len = prefill + "
         "decode) from the config alone: weights as the backend stores them, KV cache, one layer's "
         "activations, and a fixed framework overhead.",
         f"**Environment.** {env}. Wall time of the whole benchmark: {wall_s / 60:.1f} min.",

@@ -2,9 +2,9 @@
 
 A process's peak RSS never goes down, so each configuration runs in its own interpreter:
 one run's allocations cannot pollute the next. Inside the child the peak is reset after the
-model is loaded (Linux /proc/self/clear_refs "5" resets VmHWM), so peak_rss_mib is the peak of
-inference itself (weights + KV cache + activations + framework); the lifetime peak including
-loading is reported too (peak_rss_lifetime_mib). On CUDA: reset_peak_memory_stats, then
+model is loaded and freed heap is returned to the OS (malloc_trim; Linux /proc/self/clear_refs "5"
+resets VmHWM), so peak_rss_mib is the peak of inference itself (weights + KV cache + activations +
+framework); the peak while loading is reported too (load_peak_rss_mib). On CUDA: reset_peak_memory_stats, then
 max_memory_allocated / max_memory_reserved.
 
     row = measure_peak_memory({"model": "smollm2-135m", "prefill_tokens": 512, "decode_tokens": 64})
@@ -44,8 +44,23 @@ def _reset_peak_rss() -> bool:
 
 
 def _lifetime_peak_mib() -> float:
+    """Peak RSS since exec: VmHWM (ru_maxrss would carry the parent's peak over fork + exec on Linux)."""
+    hwm = _status_mib("VmHWM")
+    if hwm is not None:
+        return hwm
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / MIB if sys.platform == "darwin" else rss / 1024
+
+
+def _release_free_heap() -> None:
+    """Return freed heap pages to the OS (glibc malloc_trim), so loader garbage is not counted as inference."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _load(spec: dict):
@@ -89,15 +104,16 @@ def _child(spec: dict) -> dict:
         x = torch.ones(int(spec["allocate_mib"] * MIB) // 4)  # float32, every page touched
         out.update(allocated_mib=x.numel() * 4 / MIB)
         del x
-        return out | {"baseline_rss_mib": base, "peak_rss_mib": _status_mib("VmHWM"), "peak_reset": reset,
-                      "peak_rss_lifetime_mib": _lifetime_peak_mib()}
+        return out | {"baseline_rss_mib": base, "peak_rss_mib": _lifetime_peak_mib(), "peak_reset": reset}
     model, summary = _load(spec)
     out.update(summary)
     out.update({k: v for k, v in weight_stats(model).items() if k in ("weight_bytes", "weight_mib")})
     gen = torch.Generator().manual_seed(int(spec.get("seed", 0)))
     batch, n = int(spec.get("batch", 1)), int(spec.get("prefill_tokens", 128))
     prompt = torch.randint(0, model.config.vocab_size, (batch, n), generator=gen)
+    out["load_peak_rss_mib"] = _lifetime_peak_mib()
     gc.collect()
+    _release_free_heap()
     out["loaded_rss_mib"] = _status_mib("VmRSS")
     out["peak_reset"] = _reset_peak_rss()
     if device.type == "cuda":
@@ -107,8 +123,7 @@ def _child(spec: dict) -> dict:
     if device.type == "cuda":
         out.update(peak_vram_mib=torch.cuda.max_memory_allocated(device) / MIB,
                    peak_vram_reserved_mib=torch.cuda.max_memory_reserved(device) / MIB)
-    return out | {"peak_rss_mib": _status_mib("VmHWM") or _lifetime_peak_mib(),
-                  "peak_rss_lifetime_mib": _lifetime_peak_mib()}
+    return out | {"peak_rss_mib": _lifetime_peak_mib()}
 
 
 def measure_peak_memory(spec: dict, timeout_s: float = 900) -> dict:
