@@ -154,3 +154,24 @@ def test_export_parity_on_cuda(tiny_model_dir, kernel, spec):
     quantlab.quantize(model, quantlab.make_config(spec))
     summary = export_model(model, "torchao", _ids().cuda())
     assert summary["backend_kernels"] == f"{kernel}:14" and summary["export_parity_ok"]
+
+
+def test_runner_exports_runs_with_a_backend_and_says_so(tiny_model_dir, tmp_path):
+    from quantlab.runner import run_experiment
+
+    runs = [{"name": "fp32", "method": "none", "backend": "torchao"},
+            {"name": "w8-sim", "method": "rtn", "bits": 8},
+            {"name": "w8-torchao", "method": "rtn", "bits": 8, "backend": "torchao"},
+            {"name": "w3-auto", "method": "rtn", "bits": 3, "group_size": 32, "backend": "auto"}]
+    exp = quantlab.parse_experiment({
+        "name": "tiny_backends", "model": str(tiny_model_dir), "device": "cpu", "run": runs,
+        "eval": {"dataset": str(tiny_model_dir / "sample.txt"), "seq_len": 32, "max_windows": 2, "kl_windows": 1,
+                 "prefill_tokens": 8, "decode_tokens": 2, "latency_repeats": 1}})
+    df = run_experiment(exp, tmp_path, progress=False).set_index("run")
+    assert df.loc["fp32", "backend"] == "float"
+    assert df.loc["w8-sim", "backend"].startswith("simulated")
+    assert df.loc["w8-torchao", "backend"] == "torchao" and bool(df.loc["w8-torchao", "export_parity_ok"])
+    assert df.loc["w3-auto", "backend"] == "simulated" and "3-bit" in df.loc["w3-auto", "backend_note"]
+    # the same codes, real kernels: perplexity agrees with the simulated run to fp32 rounding
+    assert df.loc["w8-torchao", "ppl"] == pytest.approx(df.loc["w8-sim", "ppl"], rel=1e-4)
+    assert "| torchao |" in (tmp_path / "tiny_backends.md").read_text()
