@@ -175,3 +175,18 @@ def test_runner_exports_runs_with_a_backend_and_says_so(tiny_model_dir, tmp_path
     # the same codes, real kernels: perplexity agrees with the simulated run to fp32 rounding
     assert df.loc["w8-torchao", "ppl"] == pytest.approx(df.loc["w8-sim", "ppl"], rel=1e-4)
     assert "| torchao |" in (tmp_path / "tiny_backends.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel,spec", [
+    ("int8_weight_only", {"method": "rtn", "bits": 8}),
+    ("int8_dynamic", {"method": "dynamic"}),
+    ("int4_cpu", {"method": "rtn", "bits": 4, "group_size": 64}),
+])
+def test_smollm2_export_parity(kernel, spec):
+    """SmolLM2-135M: all 210 linears exported, each within its kernel tolerance of the simulated layer."""
+    model, _ = quantlab.load_model("smollm2-135m", device="cpu")
+    quantlab.quantize(model, quantlab.make_config(spec))
+    summary = export_model(model, "torchao", _ids(1, 32).clamp_max(299))
+    assert summary["backend_kernels"] == f"{kernel}:210" and summary["export_parity_ok"]
+    assert summary["export_parity_layer_max_rel"] <= PARITY_TOLERANCE[kernel]
