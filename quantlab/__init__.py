@@ -21,10 +21,11 @@ from .models import load_model, model_info
 from .qlinear import QuantLinear, WeightSpec
 from .registry import get_method, known_methods, make_config
 from .runner import run_experiment
+from .serialize import load_quantized, save_quantized
 
 __all__ = [
     "quantize", "run_calibration", "select_linears", "calibration_windows", "eval_windows", "load_token_ids",
     "measure_latency", "perplexity", "reference_logprobs", "weight_stats", "load_experiment", "parse_experiment",
     "NoneConfig", "RTNConfig", "GPTQConfig", "AWQConfig", "DynamicConfig", "StaticConfig", "SmoothQuantConfig", "load_model", "model_info", "QuantLinear", "WeightSpec", "get_method",
-    "known_methods", "make_config", "run_experiment", "QATConfig",
+    "known_methods", "make_config", "run_experiment", "QATConfig", "load_quantized", "save_quantized",
 ]

@@ -5,6 +5,7 @@
     quantlab compare A.csv B.csv [--out diff.md]
     quantlab list
     quantlab info smollm2-135m
+    quantlab estimate smollm2-135m --bits 4 --group-size 64 --seq-len 2048 --batch 8 --device-memory 2
 """
 from __future__ import annotations
 
@@ -80,6 +81,16 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _cmd_estimate(args) -> int:
+    from .estimate import estimate_memory, format_estimate
+
+    est = estimate_memory(args.model, bits=args.bits, group_size=args.group_size, seq_len=args.seq_len,
+                          batch=args.batch, dtype=args.dtype, symmetric=not args.asym, backend=args.backend,
+                          device=args.device, device_memory_gib=args.device_memory, cache_dir=args.cache_dir)
+    print(format_estimate(est))
+    return 0 if est.fits is not False else 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="quantlab", description="quantization experiments on small LMs")
     parser.add_argument("--cache-dir", default=os.environ.get("QUANTLAB_CACHE_DIR"),
@@ -110,6 +121,19 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("info", help="parameter count, tied embeddings and linear layers of a model")
     p.add_argument("model")
     p.set_defaults(func=_cmd_info)
+    p = sub.add_parser("estimate", help="predict inference memory from the model config; does it fit?")
+    p.add_argument("model")
+    p.add_argument("--bits", type=int, help="weight bits of the decoder linears (omit for float)")
+    p.add_argument("--group-size", type=int, help="quantization group size (omit for per-channel)")
+    p.add_argument("--asym", action="store_true", help="asymmetric weights (a zero point per group)")
+    p.add_argument("--seq-len", type=int, default=2048, help="context: prompt + generated tokens")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="float32", help="dtype of the float parts and the KV cache")
+    p.add_argument("--backend", default="simulated", help="simulated | torchao (how scales are stored)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (framework overhead)")
+    p.add_argument("--device-memory", type=float, help="GiB available; prints fits / does not fit (exit 2)")
+    p.set_defaults(func=_cmd_estimate)
+
     from .mixed_cli import add_commands  # sensitivity, mixed
 
     add_commands(sub)

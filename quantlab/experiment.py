@@ -97,6 +97,12 @@ class RunSpec:
     config: Any
     seed: int | None = None  # set when the run is one of a `seeds` list; None: the experiment's seed
     group: str | None = None  # the run's name before seed expansion ("gptq-w4" for "gptq-w4-seed1")
+    backend: str = "simulated"  # "simulated" | "torchao" | "auto": export to real kernels before evaluating
+
+    def __post_init__(self):
+        from .backends import check_backend
+
+        check_backend(self.backend)
 
     def to_dict(self) -> dict:
         return {"name": self.name, **config_to_dict(self.config)}
@@ -135,18 +141,24 @@ def _check_seeds(seeds, where: str) -> tuple[int, ...]:
     return tuple(seeds)
 
 
+def _depends_on_seed(config) -> bool:
+    """Calibration samples and training data order are drawn from the seed."""
+    method = get_method(config)
+    return method.needs_calibration_for(config) or method.needs_training_for(config)
+
+
 def _expand_seeds(run: RunSpec, run_seeds, exp_seeds) -> list[RunSpec]:
     """One RunSpec per seed, named "<name>-seed<s>", for runs whose result depends on a seed.
 
     A run's own `seeds` always expand it; the experiment's `seeds` expand only runs that need
-    calibration data (the seed draws the calibration windows), since RTN / the baseline are
-    deterministic and would repeat identical numbers.
+    calibration or training data (the seed draws the windows and their order), since RTN / the
+    baseline are deterministic and would repeat identical numbers.
     """
     seeds = run_seeds if run_seeds is not None else (
-        exp_seeds if exp_seeds and get_method(run.config).needs_calibration_for(run.config) else None)
+        exp_seeds if exp_seeds and _depends_on_seed(run.config) else None)
     if seeds is None:
         return [run]
-    return [RunSpec(f"{run.name}-seed{s}", run.config, seed=s, group=run.name) for s in seeds]
+    return [dataclasses.replace(run, name=f"{run.name}-seed{s}", seed=s, group=run.name) for s in seeds]
 
 
 def _parse_runs(tables: list, exp_seeds, where: str) -> tuple[RunSpec, ...]:
@@ -166,8 +178,9 @@ def _parse_run(i: int, table: dict, where: str) -> RunSpec:
     name = table.pop("name", None)
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}: [[run]] #{i + 1} needs a non-empty 'name'")
+    backend = table.pop("backend", "simulated")
     try:
-        return RunSpec(name, make_config(table))
+        return RunSpec(name, make_config(table), backend=backend)
     except (ValueError, KeyError, TypeError) as e:
         msg = e.args[0] if e.args else str(e)
         raise ValueError(f"{where}: run {name!r}: {msg}") from None

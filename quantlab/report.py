@@ -17,6 +17,7 @@ from . import stats
 TABLE_COLUMNS = [
     ("run", "run", "{}"),
     ("scheme", "scheme", "{}"),
+    ("backend", "backend", "{}"),
     ("ppl", "ppl ↓", "{:.3f}"),
     ("ppl_ci", "ppl 95% CI", "{}"),
     ("ppl_delta_pct", "Δppl %", "{:+.2f}"),
@@ -266,8 +267,12 @@ def environment_text(df: pd.DataFrame) -> str:
 
 def backend_text(df: pd.DataFrame) -> str:
     backends = ", ".join(f"`{b}`" for b in df["backend"].unique())
-    return (f"**Backend.** {backends}. Simulated rows hold real integer codes (weight bytes are real) "
+    text = (f"**Backend.** {backends}. Simulated rows hold real integer codes (weight bytes are real) "
             "but dequantize them in PyTorch each forward, so their latency is not a low-bit kernel's.")
+    if df["backend"].astype(str).str.startswith("torchao").any():
+        text += (" `torchao` rows were exported from the same codes to torchao kernels (`backend_kernels`); their "
+                 "latency and memory are real; `export_parity_*` columns hold the kernel-vs-simulated check.")
+    return text
 
 
 def plots_text(name: str, summary: pd.DataFrame, reports_dir: Path) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .api import quantize
+from .backends import export_for_run
 from .data import calibration_windows, eval_windows, load_text, load_token_ids, tokenize
 from .envinfo import environment
 from .eval import measure_latency, peak_memory_mib, perplexity, reference_logprobs, reset_peak_memory, weight_stats
@@ -56,7 +57,8 @@ def run_key(exp: Experiment, run: RunSpec, device: torch.device) -> str:
     # training (QAT) reads its windows from the calibration protocol too
     needs_calib = method.needs_calibration_for(run.config) or method.needs_training_for(run.config)
     ident = {
-        "run": {"name": run.name, "method": get_method(run.config).name, **non_default_fields(run.config)},
+        "run": {"name": run.name, "method": get_method(run.config).name, **non_default_fields(run.config),
+                **({"backend": run.backend} if run.backend != "simulated" else {})},
         "model": exp.model, "dtype": exp.dtype, "seed": exp.seed, "device": device.type,
         "eval": non_default_fields(exp.eval),
         "calibration": non_default_fields(exp.calibration) if needs_calib else None,
@@ -165,6 +167,7 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
                        training=calib if needs_train else None,
                        teacher=ctx.model if method.needs_teacher_for(run.config) else None,
                        checkpoint_dir=checkpoints if needs_train else None, progress=ctx.progress)
+    exported = export_for_run(model, run.backend, method.name, ctx.eval_ids[:64].unsqueeze(0))
     reset_peak_memory(ctx.device)
     t0 = time.perf_counter()
     row = (_embedding_metrics if exp.eval.metric == "embedding" else _perplexity_metrics)(ctx, model)
@@ -176,6 +179,7 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
     row.update(peak_memory_mib(ctx.device))
     row.update(weight_stats(model))
     row.update({k: v for k, v in summary.items() if k.endswith("_s") or k.startswith("train_")})
+    row.update(exported)
     if needs_calib or needs_train:
         c = exp.calibration
         row.update(calib_source=ctx.calib_source, calib_samples=c.num_samples, calib_seq_len=c.seq_len)
@@ -216,7 +220,8 @@ def run_experiment(
                 "run": run.name, "method": cfg["method"], "scheme": scheme(cfg, exp.dtype),
                 "bits": cfg.get("bits"), "group_size": cfg.get("group_size"), "symmetric": cfg.get("symmetric"),
                 **metrics,
-                "backend": "float" if cfg["method"] == "none" else "simulated (PyTorch dequant on the fly)",
+                "backend": metrics.get("backend") or (
+                    "float" if cfg["method"] == "none" else "simulated (PyTorch dequant on the fly)"),
                 "model": exp.model, "dtype": exp.dtype, "seed": exp.seed if run.seed is None else run.seed,
                 "experiment": exp.name, "run_group": run.group or run.name,
                 "eval_metric": exp.eval.metric, "eval_dataset": exp.eval.dataset, "eval_split": exp.eval.split,

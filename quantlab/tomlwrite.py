@@ -116,12 +116,13 @@ def experiment_dict(exp) -> dict:
         data["seeds"] = list(exp.seeds)
     data["run"] = []
     for r in exp.runs:  # runs expanded from `seeds` fold back into one table with its seeds list
+        backend = {"backend": r.backend} if r.backend != "simulated" else {}
         if r.seed is None:
-            data["run"].append({"name": r.name, **compact_config(r.config)})
+            data["run"].append({"name": r.name, **compact_config(r.config), **backend})
         elif data["run"] and data["run"][-1]["name"] == r.group and "seeds" in data["run"][-1]:
             data["run"][-1]["seeds"].append(r.seed)
         else:
-            data["run"].append({"name": r.group, **compact_config(r.config), "seeds": [r.seed]})
+            data["run"].append({"name": r.group, **compact_config(r.config), **backend, "seeds": [r.seed]})
     return data
 
 

@@ -52,3 +52,13 @@ def wikitext_dir() -> Path:
     if path is None:
         pytest.skip("wikitext-2 files not found beside the repo (../shared/data/wikitext-2)")
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` are skipped where CUDA is not available."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

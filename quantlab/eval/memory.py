@@ -12,9 +12,16 @@ from ..qlinear import QuantLinear
 MIB = 2**20
 
 
+def _plain(tensors):
+    """Tensor subclasses (torchao weights) -> the plain tensors they hold."""
+    from ..backends.modules import inner_tensors
+
+    return [x for t in tensors for x in inner_tensors(t)]
+
+
 def _unique_tensor_bytes(tensors) -> int:
     seen, total = set(), 0
-    for t in tensors:
+    for t in _plain(tensors):
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
         if key not in seen:
             seen.add(key)
@@ -29,7 +36,8 @@ def weight_stats(model: nn.Module) -> dict:
     quant_layer_float_bytes is what the same layers take at the model's float dtype.
     """
     total = _unique_tensor_bytes(list(model.parameters()) + list(model.buffers()))
-    qlayers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    # QuantLinear, and layers exported to torchao kernels (they carry storage_bytes too)
+    qlayers = [m for m in model.modules() if isinstance(m, QuantLinear) or hasattr(m, "storage_bytes")]
     numel = sum(m.in_features * m.out_features for m in qlayers)
     qbytes = sum(m.storage_bytes() for m in qlayers)
     float_size = next(model.parameters()).element_size()

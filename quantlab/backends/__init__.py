@@ -1,0 +1,55 @@
+"""Real low-bit execution: export quantlab's frozen codes to torchao kernels.
+
+    from quantlab.backends import export_model
+    summary = export_model(model, "torchao", probe_ids)   # in place; summary goes into the row
+
+Backends: "simulated" (keep QuantLinear: dequantize on the fly), "torchao" (export every layer
+that has a kernel on this device, the rest stay simulated with the reason), "auto" (torchao
+when it is installed, else simulated).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .kernels import KERNELS, KernelChoice, choose_kernel
+from .modules import TorchaoLinear
+from .torchao import PARITY_TOLERANCE, export_torchao, export_with_parity, logits_diff, plan_export, torchao_available
+
+BACKENDS = ("simulated", "torchao", "auto")
+
+
+def check_backend(backend) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+    return backend
+
+
+def export_model(model: nn.Module, backend: str, probe_ids: torch.Tensor | None = None) -> dict:
+    """Apply `backend` to a quantized model in place; returns the row fields describing what runs.
+
+    With probe_ids (B, T) the exported logits are compared with the simulated model's.
+    """
+    check_backend(backend)
+    if backend == "simulated":
+        return {"backend": "simulated", "backend_note": "PyTorch dequantizes the codes on the fly"}
+    if backend == "auto" and not torchao_available():
+        return {"backend": "simulated", "backend_note": "auto: torchao is not installed"}
+    if probe_ids is None:
+        return export_torchao(model)
+    return export_with_parity(model, probe_ids)
+
+
+def export_for_run(model: nn.Module, backend: str, method: str, probe_ids: torch.Tensor) -> dict:
+    """The runner's hook: {} for the default simulated backend (rows keep their old columns),
+    a plain 'float' for unquantized runs, else export_model's summary (with parity)."""
+    if backend == "simulated":
+        return {}
+    if method == "none":
+        return {"backend": "float", "backend_note": f"backend {backend!r}: nothing quantized to export"}
+    return export_model(model, backend, probe_ids)
+
+
+__all__ = ["export_for_run", "BACKENDS", "KERNELS", "KernelChoice", "PARITY_TOLERANCE", "TorchaoLinear", "check_backend",
+           "choose_kernel", "export_model", "export_torchao", "export_with_parity", "logits_diff", "plan_export",
+           "torchao_available"]

@@ -1,0 +1,153 @@
+"""Peak memory of one configuration, measured in a fresh subprocess.
+
+A process's peak RSS never goes down, so each configuration runs in its own interpreter:
+one run's allocations cannot pollute the next. Inside the child the peak is reset after the
+model is loaded and freed heap is returned to the OS (malloc_trim; Linux /proc/self/clear_refs "5"
+resets VmHWM), so peak_rss_mib is the peak of inference itself (weights + KV cache + activations +
+framework); the peak while loading is reported too (load_peak_rss_mib). A short warm-up pass runs
+before the reset, so one-time kernel initialization counts as loaded memory (loaded_rss_mib). On CUDA: reset_peak_memory_stats, then
+max_memory_allocated / max_memory_reserved.
+
+    row = measure_peak_memory({"model": "smollm2-135m", "prefill_tokens": 512, "decode_tokens": 64})
+    row = measure_peak_memory({"quantized_dir": "out/w4", "backend": "torchao", "batch": 8})
+    row = measure_peak_memory({"allocate_mib": 256})       # a known allocation, for testing
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+MIB = 2**20
+SPEC_KEYS = {"model", "quantized_dir", "dtype", "backend", "batch", "prefill_tokens", "decode_tokens",
+             "threads", "device", "allocate_mib", "seed"}
+
+
+def _status_mib(key: str) -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _lifetime_peak_mib() -> float:
+    """Peak RSS since exec: VmHWM (ru_maxrss would carry the parent's peak over fork + exec on Linux)."""
+    hwm = _status_mib("VmHWM")
+    if hwm is not None:
+        return hwm
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / MIB if sys.platform == "darwin" else rss / 1024
+
+
+def _release_free_heap() -> None:
+    """Return freed heap pages to the OS (glibc malloc_trim), so loader garbage is not counted as inference."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _load(spec: dict):
+    """The model alone (no tokenizer, so float and quantized configurations carry the same framework)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..models import resolve_dtype, resolve_model_path
+    from ..serialize import load_quantized
+
+    device = spec.get("device", "cpu")
+    if spec.get("quantized_dir"):
+        model = load_quantized(spec["quantized_dir"], device=device)
+    else:
+        path = resolve_model_path(spec["model"])
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(spec.get("dtype", "float32")))
+        model = model.to(device).eval()
+    backend = spec.get("backend", "simulated")
+    summary = {"backend": "float" if not spec.get("quantized_dir") else backend}
+    if spec.get("quantized_dir") and backend != "simulated":
+        from ..backends import export_model
+
+        summary = export_model(model, backend)
+    return model, summary
+
+
+def _child(spec: dict) -> dict:
+    import gc
+
+    import torch
+
+    from .latency import measure_latency
+    from .memory import weight_stats
+
+    torch.set_num_threads(int(spec.get("threads", torch.get_num_threads())))
+    device = torch.device(spec.get("device", "cpu"))
+    out = {"cpu_threads": torch.get_num_threads()}
+    if "allocate_mib" in spec:
+        gc.collect()
+        reset = _reset_peak_rss()
+        base = _status_mib("VmRSS")
+        x = torch.ones(int(spec["allocate_mib"] * MIB) // 4)  # float32, every page touched
+        out.update(allocated_mib=x.numel() * 4 / MIB)
+        del x
+        return out | {"baseline_rss_mib": base, "peak_rss_mib": _lifetime_peak_mib(), "peak_reset": reset}
+    model, summary = _load(spec)
+    out.update(summary)
+    out.update({k: v for k, v in weight_stats(model).items() if k in ("weight_bytes", "weight_mib")})
+    gen = torch.Generator().manual_seed(int(spec.get("seed", 0)))
+    batch, n = int(spec.get("batch", 1)), int(spec.get("prefill_tokens", 128))
+    prompt = torch.randint(0, model.config.vocab_size, (batch, n), generator=gen)
+    out["load_peak_rss_mib"] = _lifetime_peak_mib()
+    # warm-up: one short pass, so one-time kernel initialization and lazy imports count as loaded, not as inference
+    measure_latency(model, prompt[:1, :8], 2, warmup=0, repeats=1)
+    gc.collect()
+    _release_free_heap()
+    out["loaded_rss_mib"] = _status_mib("VmRSS")
+    out["peak_reset"] = _reset_peak_rss()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    lat = measure_latency(model, prompt, int(spec.get("decode_tokens", 32)), warmup=0, repeats=1)
+    out.update(batch_size=lat["batch_size"], prefill_tokens=n, decode_tokens=lat.get("decode_tokens", 0))
+    if device.type == "cuda":
+        out.update(peak_vram_mib=torch.cuda.max_memory_allocated(device) / MIB,
+                   peak_vram_reserved_mib=torch.cuda.max_memory_reserved(device) / MIB)
+    return out | {"peak_rss_mib": _lifetime_peak_mib()}
+
+
+def measure_peak_memory(spec: dict, timeout_s: float = 900) -> dict:
+    """Run one configuration in a fresh Python process; returns its memory row (see module doc)."""
+    unknown = sorted(set(spec) - SPEC_KEYS)
+    if unknown:
+        raise ValueError(f"unknown memprobe key(s) {', '.join(unknown)}; valid: {', '.join(sorted(SPEC_KEYS))}")
+    if "allocate_mib" not in spec and not (spec.get("model") or spec.get("quantized_dir")):
+        raise ValueError("memprobe spec needs 'model', 'quantized_dir' or 'allocate_mib'")
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])  # this quantlab checkout, first on the child's path
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    if "threads" in spec:
+        env["OMP_NUM_THREADS"] = str(spec["threads"])
+    proc = subprocess.run([sys.executable, "-m", "quantlab.eval.memprobe", json.dumps(spec)], capture_output=True,
+                          text=True, timeout=timeout_s, env=env, cwd=root)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"memprobe child failed (exit {proc.returncode}) for {spec}: {proc.stderr[-1500:]}")
+    return json.loads(lines[-1])
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(json.loads(sys.argv[1]))), flush=True)

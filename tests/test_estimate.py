@@ -1,0 +1,97 @@
+"""Memory estimator: arithmetic on a hand-computed example, agreement with real weight bytes, errors, CLI."""
+from __future__ import annotations
+
+import pytest
+from transformers import BertConfig, LlamaConfig
+
+import quantlab
+from quantlab.cli import main
+from quantlab.estimate import MIB, estimate_memory, format_estimate
+
+# The conftest tiny Llama: hidden 64, intermediate 96, 2 layers, 4 heads, 2 kv heads (head_dim 16), vocab 300, tied.
+TINY = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+
+
+def test_hand_computed_example():
+    est = estimate_memory(TINY, bits=4, group_size=32, seq_len=100, batch=3, overhead_mib=0)
+    # linears per layer: q 64x64, k 32x64, v 32x64, o 64x64, gate 96x64, up 96x64, down 64x96 = 30,720 weights
+    assert est.quant_params == 2 * 30720
+    # codes: 61,440 x 4 bits = 30,720 B; groups of 32 per row: q 64x2, k 32x2, v 32x2, o 64x2, gate 96x2, up 96x2,
+    # down 64x3 = 960 per layer, 1,920 in all, x 2 B (fp16 scale, symmetric: no zero) = 3,840 B
+    linear = 30720 + 3840
+    # float: tied embedding 300x64 (once) + 2 RMSNorms per layer x 64 + final norm 64 = 19,520 params x 4 B
+    assert est.float_params == 19520
+    assert est.weights_bytes == linear + 19520 * 4 == 112640
+    # KV: 2 layers x 2 (K, V) x 2 kv heads x 16 head_dim x 100 tokens x batch 3 x 4 B
+    assert est.kv_cache_bytes == 2 * 2 * 2 * 16 * 100 * 3 * 4 == 153600
+    # activations: 3 x 100 x (2 x 64 + 3 x 96) x 4 B + last logits 3 x 300 x 4 B + one dequantized
+    # 96x64 weight (4 B + 1 B of unpacked codes per weight) for the simulated backend
+    assert est.activation_bytes == 3 * 100 * (128 + 288) * 4 + 3 * 300 * 4 + 6144 * 5 == 533520
+    assert est.total_bytes == 112640 + 153600 + 533520 and est.fits is None
+
+
+def test_torchao_layout_and_asymmetric_zero_points():
+    sym = estimate_memory(TINY, bits=4, group_size=32, seq_len=8, overhead_mib=0)
+    asym = estimate_memory(TINY, bits=4, group_size=32, seq_len=8, symmetric=False, overhead_mib=0)
+    torchao = estimate_memory(TINY, bits=4, group_size=32, seq_len=8, backend="torchao", overhead_mib=0)
+    assert asym.weights_bytes - sym.weights_bytes == 1920  # one uint8 zero per group
+    assert torchao.weights_bytes - sym.weights_bytes == 1920 * 2  # bf16 scale + bf16 zero: 4 B per group, not 2
+    int8 = estimate_memory(TINY, bits=8, seq_len=8, backend="torchao", overhead_mib=0)
+    assert int8.weights_bytes == 61440 + 2 * 448 * 4 + 19520 * 4  # codes + fp32 scale per row + float parts
+
+
+@pytest.mark.parametrize("spec", [
+    {"bits": 4, "group_size": 32, "symmetric": True},
+    {"bits": 8, "group_size": None, "symmetric": True},
+    {"bits": 3, "group_size": 64, "symmetric": False},
+])
+def test_weight_estimate_matches_the_quantized_model(tiny_model_dir, spec):
+    from quantlab.eval import weight_stats
+
+    model, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
+    quantlab.quantize(model, quantlab.RTNConfig(**spec))
+    rotary = sum(b.nbytes for n, b in model.named_buffers() if "rotary" in n)  # not weights; the estimate skips it
+    est = estimate_memory(str(tiny_model_dir), seq_len=8, **spec)
+    assert est.weights_bytes == weight_stats(model)["weight_bytes"] - rotary  # exact
+
+
+def test_fits_verdict_and_cli(tiny_model_dir, capsys):
+    est = estimate_memory(TINY, seq_len=8, device_memory_gib=1.0)
+    assert est.fits and est.total_bytes < 2**30
+    assert "fits in 1.00 GiB" in format_estimate(est)
+    rc = main(["estimate", str(tiny_model_dir), "--bits", "4", "--group-size", "32", "--seq-len", "64",
+               "--device-memory", "0.0001"])
+    out = capsys.readouterr().out
+    assert rc == 2 and "does NOT fit in 0.00 GiB" in out and "kv cache" in out
+    assert main(["estimate", str(tiny_model_dir), "--seq-len", "64", "--device-memory", "4"]) == 0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"bits": 12}, "bits must be 2..8"),
+    ({"bits": 1}, "bits must be an integer >= 2"),
+    ({"seq_len": 0}, "seq_len must be an integer >= 1, got 0"),
+    ({"batch": -2}, "batch must be an integer >= 1, got -2"),
+    ({"group_size": 0, "bits": 4}, "group_size must be an integer >= 1"),
+    ({"dtype": "float8"}, "unknown dtype 'float8'; known: float32, float16, bfloat16"),
+    ({"backend": "gguf"}, "unknown backend 'gguf'; known: simulated, torchao"),
+    ({"device_memory_gib": -1}, "device memory must be > 0 GiB"),
+])
+def test_impossible_values_are_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        estimate_memory(TINY, **kwargs)
+
+
+def test_unknown_and_unsupported_models(tmp_path, capsys):
+    with pytest.raises(ValueError, match="unsupported model_type 'bert'"):
+        estimate_memory(BertConfig(), bits=4)
+    with pytest.raises(ValueError, match="unknown model"):
+        estimate_memory(str(tmp_path / "missing-model"), bits=4)
+    assert main(["estimate", str(tmp_path / "missing-model")]) == 1
+    assert "unknown model" in capsys.readouterr().err
+
+
+def test_smollm2_reads_only_the_config():
+    est = estimate_memory("smollm2-135m", seq_len=2048, batch=1)
+    assert est.quant_params + est.float_params == 134_515_008  # SmolLM2-135M's parameter count (tied)
+    assert est.kv_cache_bytes / MIB == 30 * 2 * 3 * 64 * 2048 * 4 / MIB
