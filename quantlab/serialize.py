@@ -158,7 +158,7 @@ def load_quantized(path: str | Path, base_model_id: str | None = None, device: s
     """
     from accelerate import init_empty_weights
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
@@ -174,7 +174,9 @@ def load_quantized(path: str | Path, base_model_id: str | None = None, device: s
     with init_empty_weights(include_buffers=False):  # params on meta: nothing allocated until assigned
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     try:
-        tensors = load_file(str(path / WEIGHTS))
+        # read, not mmap: an mmapped file stays resident while any one tensor of it lives, so codes
+        # replaced by an export (torchao) would keep their pages in RSS next to the new ones
+        tensors = load((path / WEIGHTS).read_bytes())
     except SafetensorError as e:
         raise ValueError(f"{path / WEIGHTS}: corrupt safetensors file ({e})") from None
     for name, spec in meta["layers"].items():

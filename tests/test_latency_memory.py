@@ -53,9 +53,11 @@ def test_latency_on_exported_model(tiny_model_dir):
     assert r["decode_tokens_generated"] == 5 and r["prefill_ms_p50"] > 0
 
 
-def test_peak_memory_of_a_known_allocation_within_10_percent():
-    r = measure_peak_memory({"allocate_mib": 256})
+@pytest.mark.parametrize("allocator", ["fixed-mmap", "default"])
+def test_peak_memory_of_a_known_allocation_within_10_percent(allocator):
+    r = measure_peak_memory({"allocate_mib": 256, "allocator": allocator})
     assert r["peak_reset"], "VmHWM could not be reset here"
+    assert r["allocator"] == allocator
     assert r["peak_rss_mib"] - r["baseline_rss_mib"] == pytest.approx(256, rel=0.10)
 
 
@@ -75,6 +77,8 @@ def test_memprobe_rejects_bad_specs():
         measure_peak_memory({"allocate": 1})
     with pytest.raises(ValueError, match="needs 'model', 'quantized_dir' or 'allocate_mib'"):
         measure_peak_memory({"batch": 2})
+    with pytest.raises(ValueError, match="unknown memprobe allocator 'jemalloc'; valid: fixed-mmap, default"):
+        measure_peak_memory({"allocate_mib": 1, "allocator": "jemalloc"})
 
 
 @pytest.mark.slow

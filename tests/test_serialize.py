@@ -16,6 +16,8 @@ SPECS = [
     {"method": "rtn", "bits": 3, "group_size": 64},
     {"method": "dynamic"},
     {"method": "smoothquant", "base": {"method": "static", "act_granularity": "channel"}},
+    {"method": "rtn", "bits": 4, "group_size": 32, "overrides": [  # mixed precision: per-layer specs
+        {"pattern": "*.mlp.down_proj", "bits": 8, "group_size": "channel"}, {"pattern": "*.0.*", "bits": 3}]},
 ]
 
 
@@ -51,6 +53,20 @@ def test_save_load_is_bitwise_identical(tiny_model_dir, tmp_path, spec, monkeypa
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()  # still tied
     meta = json.loads((path / QCONFIG).read_text())
     assert meta["quantization"]["method"] == spec["method"] and meta["base_model_id"] == str(tiny_model_dir)
+
+
+def test_loaded_weights_are_copies_not_a_mapping_of_the_file(tiny_model_dir, tmp_path):
+    """A model mapped from its file keeps the whole file resident while any one tensor lives (so an
+    export's replaced codes would stay in RSS); a copy does not see the file change under it."""
+    model, path = _saved(tiny_model_dir, tmp_path, SPECS[0])
+    loaded = load_quantized(path)
+    weights = path / WEIGHTS
+    size = weights.stat().st_size
+    with weights.open("r+b") as f:  # rewrite in place (same inode): a mapping would now read zeros
+        f.write(b"\0" * size)
+    ids = _ids()
+    with torch.inference_mode():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
 
 
 def test_loaded_model_exports_to_torchao(tiny_model_dir, tmp_path):

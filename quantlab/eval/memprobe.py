@@ -8,6 +8,13 @@ framework); the peak while loading is reported too (load_peak_rss_mib). A short 
 before the reset, so one-time kernel initialization counts as loaded memory (loaded_rss_mib). On CUDA: reset_peak_memory_stats, then
 max_memory_allocated / max_memory_reserved.
 
+Allocator: by default the child runs glibc malloc with a fixed mmap threshold (64 KiB,
+MALLOC_MMAP_THRESHOLD_), so every tensor-sized block is its own mapping and goes back to the OS
+when freed: the peak then follows live tensors and repeats to the MiB. With glibc's default
+(dynamic) threshold, freed blocks are kept in the heap and reused depending on history; the
+same configuration's peak then varies by hundreds of MiB between runs (seen: fp32 batch 8,
++332 to +548 MiB above the loaded model). spec["allocator"] = "default" measures that way.
+
     row = measure_peak_memory({"model": "smollm2-135m", "prefill_tokens": 512, "decode_tokens": 64})
     row = measure_peak_memory({"quantized_dir": "out/w4", "backend": "torchao", "batch": 8})
     row = measure_peak_memory({"allocate_mib": 256})       # a known allocation, for testing
@@ -23,7 +30,8 @@ from pathlib import Path
 
 MIB = 2**20
 SPEC_KEYS = {"model", "quantized_dir", "dtype", "backend", "batch", "prefill_tokens", "decode_tokens",
-             "threads", "device", "allocate_mib", "seed"}
+             "threads", "device", "allocate_mib", "seed", "allocator"}
+ALLOCATORS = {"fixed-mmap": {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}, "default": {}}
 
 
 def _status_mib(key: str) -> float | None:
@@ -136,7 +144,10 @@ def measure_peak_memory(spec: dict, timeout_s: float = 900) -> dict:
         raise ValueError(f"unknown memprobe key(s) {', '.join(unknown)}; valid: {', '.join(sorted(SPEC_KEYS))}")
     if "allocate_mib" not in spec and not (spec.get("model") or spec.get("quantized_dir")):
         raise ValueError("memprobe spec needs 'model', 'quantized_dir' or 'allocate_mib'")
-    env = dict(os.environ)
+    allocator = spec.get("allocator", "fixed-mmap")
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"unknown memprobe allocator {allocator!r}; valid: {', '.join(ALLOCATORS)}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | ALLOCATORS[allocator]
     root = str(Path(__file__).resolve().parents[2])  # this quantlab checkout, first on the child's path
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     if "threads" in spec:
@@ -146,7 +157,7 @@ def measure_peak_memory(spec: dict, timeout_s: float = 900) -> dict:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"memprobe child failed (exit {proc.returncode}) for {spec}: {proc.stderr[-1500:]}")
-    return json.loads(lines[-1])
+    return json.loads(lines[-1]) | {"allocator": allocator}
 
 
 if __name__ == "__main__":
