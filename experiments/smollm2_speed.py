@@ -60,9 +60,10 @@ def _memory(cfg: BenchConfig, save_dir: Path, batch: int, prefill: int, decode: 
         spec |= {"model": MODEL, "dtype": cfg.dtype}
     else:
         spec |= {"quantized_dir": str(save_dir / cfg.name), "backend": cfg.backend}
-    m = measure_peak_memory(spec)
+    m = measure_peak_memory(spec)  # fixed mmap threshold: the peak of live tensors, repeatable
+    d = measure_peak_memory(spec | {"allocator": "default"})  # what a default glibc process saw this time
     return {"peak_rss_mib": m["peak_rss_mib"], "load_peak_rss_mib": m["load_peak_rss_mib"],
-            "loaded_rss_mib": m["loaded_rss_mib"]}
+            "loaded_rss_mib": m["loaded_rss_mib"], "peak_rss_default_malloc_mib": d["peak_rss_mib"]}
 
 
 def main(argv=None) -> int:
@@ -129,9 +130,13 @@ def _markdown(df, prefill, decode, rounds, threads, wall_s) -> str:
         "**Memory.** Peak RSS of a fresh subprocess per configuration and batch: the model is loaded "
         "(float: from the checkpoint; quantized: `load_quantized` of the saved codes, then exported), the "
         "freed heap is returned to the OS (`malloc_trim`), the peak is reset (`/proc/self/clear_refs`), and one "
-        "prefill + decode pass runs; `load_peak_rss_mib` in the CSV is the peak while loading. Estimate: `quantlab estimate` for the same shapes (seq_len = prefill + "
-        "decode) from the config alone: weights as the backend stores them, KV cache, one layer's "
-        "activations, and a fixed framework overhead.",
+        "prefill + decode pass runs; `load_peak_rss_mib` in the CSV is the peak while loading. The child runs "
+        "glibc malloc with a fixed 64 KiB mmap threshold, so freed tensors leave RSS at once and the peak is "
+        "that of live tensors (it repeats to the MiB); *(default malloc)* is the same measurement with glibc's "
+        "dynamic threshold, whose heap reuse depends on allocation history, so it varies between runs of one "
+        "configuration (by hundreds of MiB at batch 8). Estimate: `quantlab estimate` for the same shapes "
+        "(seq_len = prefill + decode) from the config alone: weights as the backend stores them, KV cache, "
+        "one layer's activations, and a framework overhead; its error is against the fixed-threshold peak.",
         f"**Environment.** {env}. Wall time of the whole benchmark: {wall_s / 60:.1f} min.",
     ]) + "\n"
 

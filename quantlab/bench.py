@@ -133,7 +133,8 @@ SPEED_COLUMNS = [
     ("prefill_speedup", "× prefill", "{:.2f}"),
     ("decode_ms_per_token_p50", "decode ms/tok p50", "{:.2f}"), ("decode_ms_per_token_p90", "p90", "{:.2f}"),
     ("decode_tokens_per_s", "tok/s", "{:.1f}"), ("decode_speedup", "× decode", "{:.2f}"),
-    ("peak_rss_mib", "peak RSS MiB", "{:.0f}"), ("peak_vram_mib", "peak VRAM MiB", "{:.0f}"),
+    ("peak_rss_mib", "peak RSS MiB", "{:.0f}"), ("peak_rss_default_malloc_mib", "(default malloc)", "{:.0f}"),
+    ("peak_vram_mib", "peak VRAM MiB", "{:.0f}"),
     ("est_total_mib", "estimate MiB", "{:.0f}"), ("est_error_pct", "est. error %", "{:+.1f}"),
     ("export_parity_layer_max_rel", "kernel parity (layer max rel)", "{:.1e}"),
 ]
