@@ -15,7 +15,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display; set before pyplot is imported
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
+from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
 
 PNG_META = {"Software": None}  # no matplotlib version in the file: the bytes depend on the data only
 
@@ -77,8 +77,13 @@ def scatter_with_front(df: pd.DataFrame, x: str, y: str, png_path, xlabel: str, 
         ax.annotate(r["run"], (r[x] / x_scale, r[y]), textcoords="offset points", xytext=(4, 3), fontsize=7)
     if data[y].min() > 0 and data[y].max() / data[y].min() > 3:  # one collapsed run would squash the rest
         ax.set_yscale("log")
-        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
-            axis(FuncFormatter(lambda v, _: f"{v:g}"))  # 40, not 4×10¹
+        plain = FuncFormatter(lambda v, _: f"{v:g}")  # 40, not 4×10¹
+        ax.yaxis.set_major_formatter(plain)
+        if data[y].max() / data[y].min() < 30:  # within ~1.5 decades: label the 2s, 3s and 5s too
+            ax.yaxis.set_minor_formatter(FuncFormatter(
+                lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "235" else ""))
+        else:  # many decades: minor labels would overlap
+            ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set(xlabel=xlabel, ylabel=ylabel + (" (log scale)" if ax.get_yscale() == "log" else ""), title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
