@@ -127,6 +127,30 @@ def test_qat_lowers_quantized_loss_vs_rtn(bits, learn_scales):
     assert stats["train_dtype"] == "float32" and stats["train_resumed_from"] == 0
 
 
+def test_ptq_then_qat_starts_from_the_ptq_grid_and_needs_lr_to_leave_it():
+    """GPTQ -> QAT (STE): step 0 is GPTQ's model exactly; a weight on its grid only changes code once the
+    optimizer has moved it half a step, so a tiny lr returns GPTQ's codes and a large one does not."""
+    from quantlab.api import quant_linears
+
+    teacher, data = _tiny_lm(), _data(n=8)
+    calib = [w.unsqueeze(0) for w in data]
+    gptq_spec = {"method": "gptq", "bits": 3, "group_size": 32, "symmetric": False}
+    gptq = copy.deepcopy(teacher)
+    quantlab.quantize(gptq, quantlab.make_config(gptq_spec), calibration=calib)
+    codes = {n: m.qweight for n, m in quant_linears(gptq).items()}
+
+    def flips(lr):
+        q = copy.deepcopy(teacher)
+        quantlab.quantize(q, _qat(gptq_spec, learn_scales=False, lr=lr, steps=6), calibration=calib,
+                          training=data, teacher=teacher, progress=False)
+        layers = quant_linears(q)
+        assert all(torch.equal(layers[n].scale, m.scale) for n, m in quant_linears(gptq).items())  # STE: fixed
+        return sum((layers[n].qweight != c).sum().item() for n, c in codes.items())
+
+    assert flips(1e-7) == 0
+    assert flips(1e-2) > 100
+
+
 BASES = [
     RTN3,
     {"method": "rtn", "bits": 4, "group_size": 40, "symmetric": True},  # ragged last group
