@@ -79,11 +79,17 @@ def cmd_mixed(args) -> int:
     rows = pd.read_csv(sens).to_dict("records")
     for r in rows:  # pandas reads an empty group_size as NaN; the config column is the source of truth
         r["candidate"] = str(r["candidate"])
+    if not args.target_bits and not args.target_mib:
+        raise ValueError("give --target-bits and/or --target-mib")
     new_runs = []
     for bits in args.target_bits:
         plan = solve_budget(rows, target_bits=bits, metric=args.metric)
         print(f"target {bits} bits/weight: {json.dumps(plan_summary(plan))}")
         new_runs.append(mixed_run_table(f"{args.prefix}{bits:g}b", plan))
+    for mib in args.target_mib:
+        plan = solve_budget(rows, target_bytes=int(mib * 2**20), metric=args.metric)
+        print(f"target {mib} MiB: {json.dumps(plan_summary(plan))}")
+        new_runs.append(mixed_run_table(f"{args.prefix}{mib:g}mib", plan))
     with open(args.experiment, "rb") as f:
         data = tomllib.load(f)
     names = {r["name"] for r in new_runs}
@@ -126,7 +132,9 @@ def add_commands(sub) -> None:
     p.set_defaults(func=cmd_sensitivity)
     p = sub.add_parser("mixed", help="per-layer bits under a budget from sensitivity data -> [[run]]s in the experiment")
     p.add_argument("experiment")
-    p.add_argument("--target-bits", type=float, nargs="+", required=True, help="average bits per weight (scales incl.)")
+    p.add_argument("--target-bits", type=float, nargs="+", default=[], help="average bits per weight (scales incl.)")
+    p.add_argument("--target-mib", type=float, nargs="+", default=[],
+                   help="size of the quantized layers (codes + scales + zeros) in MiB; runs are named <prefix><MiB>mib")
     p.add_argument("--sensitivity", help="sensitivity CSV (default reports/<experiment name>.sensitivity.csv)")
     p.add_argument("--metric", default="kl_mean")
     p.add_argument("--prefix", default="mixed-", help="run name prefix; runs are named <prefix><bits>b")

@@ -136,3 +136,15 @@ def test_mixed_cli_writes_an_experiment_the_runner_accepts(setup, tiny_model_dir
     assert bits["mixed-3b"] <= 3.0 and 4.0 < bits["mixed-4.5b"] <= 4.5  # true bits (scales, zeros) within budget
     assert "overrides" in df.set_index("run").loc["mixed-4.5b", "scheme"]
     assert main(["mixed", str(exp_path), "--target-bits", "2", "--sensitivity", str(tmp_path / "t.sensitivity.csv")]) == 1
+    # a size budget: the quantized layers' codes + scales + zeros within the MiB asked
+    sens = pd.read_csv(tmp_path / "t.sensitivity.csv")
+    params = sens.drop_duplicates("unit")["params"].sum()
+    mib = 3.5 * params / 8 / 2**20
+    assert main(["mixed", str(exp_path), "--target-mib", f"{mib:.6f}", "--sensitivity",
+                 str(tmp_path / "t.sensitivity.csv")]) == 0
+    exp = load_experiment(exp_path)
+    name = f"mixed-{float(f'{mib:.6f}'):g}mib"
+    assert name in [r.name for r in exp.runs]
+    df = runner.run_experiment(exp, tmp_path / "reports", progress=False).set_index("run")
+    assert 3.0 < df.loc[name, "bits_per_weight"] and df.loc[name, "bits_per_weight"] * params / 8 <= mib * 2**20
+    assert main(["mixed", str(exp_path), "--sensitivity", str(tmp_path / "t.sensitivity.csv")]) == 1  # no target
