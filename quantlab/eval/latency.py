@@ -39,7 +39,7 @@ def _prefill_kwargs(model) -> dict:
 @torch.inference_mode()
 def _one_pass(model, prompt: torch.Tensor, new_tokens: int, device, call=None) -> tuple[float, list[float]]:
     """One prefill + new_tokens greedy decode steps; `call` is the (maybe compiled) callable, `model` the module."""
-    call = call or model
+    call = model if call is None else call  # not `or`: a compiled module has no truth value (len)
     _sync(device)
     t0 = time.perf_counter()
     # 0 new tokens: encoders, prefill only
