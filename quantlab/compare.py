@@ -92,7 +92,7 @@ def compare_reports(a, b, metrics: list[str] | None = None) -> pd.DataFrame:
         out["ppl_diff_ci_low"], out["ppl_diff_ci_high"] = _paired_ppl(ia, ib, common)
     config_differs = []
     if "config" in ia and "config" in ib:  # same name, different run: worth saying
-        config_differs = [r for r in common if str(ia.loc[r, "config"]) != str(ib.loc[r, "config"])]
+        config_differs = [r for r in common if _config_key(ia.loc[r, "config"]) != _config_key(ib.loc[r, "config"])]
     out.attrs.update(metrics=metrics, protocol_differs=differs, config_differs=config_differs,
                      only_a=[r for r in da["run"] if r not in set(db["run"])],
                      only_b=[r for r in db["run"] if r not in set(da["run"])])
@@ -130,3 +130,16 @@ def compare_markdown(df: pd.DataFrame, label_a: str = "A", label_b: str = "B") -
         if runs:
             lines += ["", f"Only in `{label}`: {', '.join(map(str, runs))}"]
     return "\n".join(lines) + "\n"
+
+
+def _config_key(text) -> str:
+    """A run's config as its non-default fields, so a field added later with a default (say `overrides`)
+    does not make an old report's run look different; the raw text when it does not parse."""
+    from .registry import make_config
+    from .runner import non_default_fields
+
+    try:
+        fields = {k: v for k, v in json.loads(str(text)).items() if k != "name"}
+        return json.dumps(non_default_fields(make_config(fields)), sort_keys=True, default=str)
+    except (ValueError, TypeError, KeyError):
+        return str(text)

@@ -17,13 +17,14 @@ def _version(pkg: str) -> str:
 
 
 def git_sha() -> str:
-    """HEAD of the quantlab checkout (+ '-dirty' with uncommitted changes), or 'unknown'."""
+    """HEAD of the quantlab checkout (+ '-dirty' with uncommitted changes outside reports/), or 'unknown'."""
     repo = Path(__file__).resolve().parents[1]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, capture_output=True,
                              text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        # code, not results: a run rewriting reports/ (or --force deleting them) leaves the code clean
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!reports"],
+                               cwd=repo, capture_output=True, text=True, timeout=10).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -234,3 +234,14 @@ def test_compare_pairs_ppl_over_the_stored_windows(tiny_reports, tmp_path):
     other["seq_len"] = 64  # another protocol: the windows are not the same ones, so no pairing
     other.to_csv(b, index=False)
     assert "ppl_diff_ci_low" not in compare_reports(a, b, metrics=["ppl"])
+
+
+def test_compare_ignores_fields_added_later_with_their_default():
+    """An old report's config lacks `overrides`; that alone is not a different config."""
+    from quantlab.compare import _config_key
+
+    old = '{"bits": 4, "group_size": 64, "method": "rtn", "name": "w4", "symmetric": false}'
+    new = '{"bits": 4, "group_size": 64, "method": "rtn", "name": "w4", "overrides": [], "symmetric": false}'
+    assert _config_key(old) == _config_key(new)
+    assert _config_key(old) != _config_key(old.replace('"bits": 4', '"bits": 3'))
+    assert _config_key("not json") == "not json"
