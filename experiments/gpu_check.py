@@ -1,7 +1,7 @@
 """One command for a CUDA machine: the quickstart experiment + a latency/VRAM sweep, CSVs under --out.
 
     python3 experiments/gpu_check.py --out gpu_out          # CUDA: ~3-8 min on one GPU
-    python3 experiments/gpu_check.py --out /tmp/cpu_check   # no CUDA: a small CPU fallback (~3 min here)
+    python3 experiments/gpu_check.py --out cpu_check        # no CUDA: a small CPU fallback (~3 min here)
 
 CUDA sweep (SmolLM2-135M, prefill 512 + greedy decode 64, batch 1 and 8, 5 interleaved rounds):
 fp16 and bf16 baselines, int8 weight-only, int4 weight-only (tinygemm, bf16), W8A8 dynamic (int8

@@ -1,6 +1,6 @@
 """Diff two report CSVs run by run: each metric side by side with B − A and the change in %.
 
-    df = compare_reports("reports/smollm2_quickstart.csv", "/tmp/rerun/smollm2_quickstart.csv")
+    df = compare_reports("reports/smollm2_quickstart.csv", "rerun/smollm2_quickstart.csv")
     print(compare_markdown(df, "A", "B"))
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Rebuild a report (CSV, Markdown, plots) from a stored results file, without running anything.
 
-    regenerate_report("reports/smollm2_quickstart.results.jsonl", out_dir="/tmp/again")
+    regenerate_report("reports/smollm2_quickstart.results.jsonl", out_dir="again")
 
 The runner writes `<name>.experiment.json` beside the results: the experiment's name, its
 description and the run keys of the rows its report showed, in order (a results file also keeps

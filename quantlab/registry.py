@@ -97,18 +97,22 @@ def get_method(name_or_config: Any) -> Method:
     raise KeyError(f"no method registered for config {type(name_or_config).__name__}; known: {', '.join(known_methods())}")
 
 
-def config_fields(method_name: str) -> dict[str, Any]:
-    """Field name -> default for a method's config (for `quantlab list`)."""
-    cls = get_method(method_name).config_cls
+def field_defaults(cls) -> dict[str, Any]:
+    """Field name -> default of a dataclass, for the fields that have one (factories called)."""
     out = {}
     for f in dataclasses.fields(cls):
         if f.default is not dataclasses.MISSING:
             out[f.name] = f.default
         elif f.default_factory is not dataclasses.MISSING:
             out[f.name] = f.default_factory()
-        else:
-            out[f.name] = None
     return out
+
+
+def config_fields(method_name: str) -> dict[str, Any]:
+    """Field name -> default for a method's config (None when required; for `quantlab list`)."""
+    cls = get_method(method_name).config_cls
+    defaults = field_defaults(cls)
+    return {f.name: defaults.get(f.name) for f in dataclasses.fields(cls)}
 
 
 def make_config(spec: dict[str, Any]) -> Any:

@@ -25,7 +25,7 @@ from .eval import measure_latency, peak_memory_mib, perplexity, reference_logpro
 from .eval.embedding import embedding_fidelity, layer_output_errors, mean_pooled_embeddings, sentences_from_text
 from .experiment import Experiment, RunSpec
 from .models import default_cache_dir, load_model, model_info, resolve_device
-from .registry import get_method
+from .registry import field_defaults, get_method
 from .report import scheme, write_report
 
 log = logging.getLogger(__name__)
@@ -37,16 +37,10 @@ def non_default_fields(obj) -> dict:
     Run keys hash this, so adding a field with a default to a config or protocol never
     changes the key of a run that does not set it (finished rows stay finished).
     """
-    out = {}
+    out, defaults = {}, field_defaults(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            default = dataclasses.MISSING
-        if value == default:
+        if f.name in defaults and value == defaults[f.name]:
             continue
         out[f.name] = non_default_fields(value) if dataclasses.is_dataclass(value) else value
     return out

@@ -15,7 +15,7 @@ import math
 import re
 from typing import Any
 
-from .registry import get_method
+from .registry import field_defaults, get_method
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
@@ -74,19 +74,9 @@ def _is_table_array(v: Any) -> bool:
     return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
 
 
-def _defaults(cls) -> dict:
-    out = {}
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = f.default_factory()
-    return out
-
-
 def compact_config(config: Any) -> dict:
     """{"method": ..., bits, fields that differ from their defaults}; nested configs likewise, overrides as tables."""
-    out, defaults = {"method": get_method(config).name}, _defaults(type(config))
+    out, defaults = {"method": get_method(config).name}, field_defaults(type(config))
     for f in dataclasses.fields(config):
         v = getattr(config, f.name)
         if f.name in defaults and v == defaults[f.name] and f.name != "bits":  # bits: always said, for the reader
@@ -102,12 +92,12 @@ def compact_config(config: Any) -> dict:
 def experiment_dict(exp) -> dict:
     """An Experiment -> the dict its TOML file holds (defaults left out)."""
     data: dict[str, Any] = {"name": exp.name, "model": exp.model}
-    top = _defaults(type(exp))
+    top = field_defaults(type(exp))
     for k in ("dtype", "device", "seed", "description"):
         if getattr(exp, k) != top.get(k):
             data[k] = getattr(exp, k)
     for k in ("eval", "calibration"):
-        proto, defaults = getattr(exp, k), _defaults(type(getattr(exp, k)))
+        proto, defaults = getattr(exp, k), field_defaults(type(getattr(exp, k)))
         table = {f.name: getattr(proto, f.name) for f in dataclasses.fields(proto)
                  if getattr(proto, f.name) != defaults.get(f.name)}
         if table:

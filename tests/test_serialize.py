@@ -111,7 +111,7 @@ def test_mismatched_base_model_is_an_error(tiny_model_dir, tmp_path):
         load_quantized(path)
 
 
-def test_save_needs_a_frozen_quantized_model(tiny_model):
+def test_save_needs_a_frozen_quantized_model(tiny_model, tmp_path):
     model, _ = tiny_model
     with pytest.raises(ValueError, match="no QuantLinear layers"):
-        save_quantized(model, "/tmp/unused", None, "x")
+        save_quantized(model, tmp_path / "unused", None, "x")
