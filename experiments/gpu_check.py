@@ -27,9 +27,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from quantlab.bench import SPEED_COLUMNS, BenchConfig, interleaved_latency, prepare, speed_table  # noqa: E402
+from quantlab.bench import SPEED_COLUMNS, BenchConfig, estimate_for, interleaved_latency, prepare, speed_table  # noqa: E402
 from quantlab.envinfo import environment  # noqa: E402
-from quantlab.estimate import MIB, estimate_memory  # noqa: E402
+from quantlab.estimate import MIB  # noqa: E402
 from quantlab.eval.latency import measure_latency  # noqa: E402
 from quantlab.models import load_model  # noqa: E402
 from quantlab.report import markdown_table  # noqa: E402
@@ -74,15 +74,8 @@ def _vram(model, prompt, new_tokens, device, before_bytes) -> dict:
 
 
 def _estimate(cfg: BenchConfig, model_config, batch, seq_len, summary, device) -> dict:
-    if cfg.torchao_config:  # fp8: 1 byte per weight + a scale per row, roughly int8's layout
-        bits, gs, sym = 8, None, True
-    else:
-        q = cfg.quant or {}
-        bits, gs, sym = q.get("bits", 8 if q.get("method") == "dynamic" else None), q.get("group_size"), q.get("symmetric", True)
-    backend = "torchao" if str(summary.get("backend", "")).startswith("torchao") else "simulated"
-    est = estimate_memory(model_config, bits=bits, group_size=gs, seq_len=seq_len, batch=batch,
-                          dtype=summary.get("export_dtype", cfg.dtype), symmetric=sym, backend=backend,
-                          device=device.type, overhead_mib=0)  # allocator peak excludes the CUDA context
+    est = estimate_for(cfg, model_config, batch, seq_len, summary, device=device.type,
+                       overhead_mib=0)  # allocator peak excludes the CUDA context
     return {"est_total_mib": est.total_bytes / MIB}
 
 

@@ -25,9 +25,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from quantlab.bench import SPEED_COLUMNS, BenchConfig, interleaved_latency, prepare, speed_table  # noqa: E402
+from quantlab.bench import SPEED_COLUMNS, BenchConfig, estimate_for, interleaved_latency, prepare, speed_table  # noqa: E402
 from quantlab.envinfo import environment  # noqa: E402
-from quantlab.estimate import MIB, estimate_memory  # noqa: E402
+from quantlab.estimate import MIB  # noqa: E402
 from quantlab.eval.memprobe import measure_peak_memory  # noqa: E402
 from quantlab.models import load_model  # noqa: E402
 from quantlab.report import markdown_table  # noqa: E402
@@ -43,12 +43,7 @@ CONFIGS = [
 
 
 def _estimate(cfg: BenchConfig, model_config, batch: int, seq_len: int, summary: dict) -> dict:
-    q = cfg.quant or {}
-    bits = q.get("bits", 8 if q.get("method") == "dynamic" else None)
-    dtype = summary.get("export_dtype", cfg.dtype)
-    est = estimate_memory(model_config, bits=bits, group_size=q.get("group_size"), seq_len=seq_len, batch=batch,
-                          dtype=dtype, symmetric=q.get("symmetric", True),
-                          backend="torchao" if summary.get("backend", "").startswith("torchao") else "simulated")
+    est = estimate_for(cfg, model_config, batch, seq_len, summary)
     return {"est_total_mib": est.total_bytes / MIB, "est_weights_mib": est.weights_bytes / MIB,
             "est_kv_cache_mib": est.kv_cache_bytes / MIB, "est_activations_mib": est.activation_bytes / MIB,
             "est_overhead_mib": est.overhead_bytes / MIB}

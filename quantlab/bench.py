@@ -49,6 +49,23 @@ class BenchConfig:
             raise ValueError(f"{self.name}: unknown torchao_config {self.torchao_config!r}; known: float8_dynamic")
 
 
+def estimate_for(cfg: BenchConfig, model_config, batch: int, seq_len: int, summary: dict, device: str = "cpu",
+                 overhead_mib: float | None = None):
+    """quantlab.estimate for a benchmark configuration as prepare() left it (summary: its export fields)."""
+    from .estimate import estimate_memory
+
+    if cfg.torchao_config:  # fp8: 1 byte per weight + a scale per row, roughly int8's layout
+        bits, group_size, symmetric = 8, None, True
+    else:
+        q = cfg.quant or {}
+        bits = q.get("bits", 8 if q.get("method") == "dynamic" else None)
+        group_size, symmetric = q.get("group_size"), q.get("symmetric", True)
+    backend = "torchao" if str(summary.get("backend", "")).startswith("torchao") else "simulated"
+    return estimate_memory(model_config, bits=bits, group_size=group_size, seq_len=seq_len, batch=batch,
+                           dtype=summary.get("export_dtype", cfg.dtype), symmetric=symmetric, backend=backend,
+                           device=device, overhead_mib=overhead_mib)
+
+
 def _torchao_float8(model) -> dict:
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
