@@ -118,10 +118,10 @@ def layer_parity(model: nn.Module, reference: nn.Module, tokens: int = 8, seed: 
     """
     gen = torch.Generator().manual_seed(seed)
     ref_layers, out = quant_linears(reference), {}
+    dtype = next(p.dtype for p in reference.parameters() if p.is_floating_point())
     for name, module in model.named_modules():
         if name in ref_layers and not isinstance(module, QuantLinear):
             ref = ref_layers[name]
-            dtype = next(p.dtype for p in reference.parameters() if p.is_floating_point())
             x = torch.randn(tokens, ref.in_features, generator=gen).to(dtype=dtype, device=ref.scale.device)
             y_ref = ref(x).float()
             out[name] = ((module(x).float() - y_ref).abs().max() / y_ref.abs().max().clamp_min(1e-12)).item()
