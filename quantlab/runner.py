@@ -75,7 +75,8 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def _append_row(path: Path, row: dict) -> None:
+def append_row(path: Path, row: dict) -> None:
+    """One JSON line, flushed at once: a crash keeps every finished row."""
     with path.open("a") as f:
         f.write(json.dumps(row, default=str) + "\n")
         f.flush()
@@ -224,7 +225,7 @@ def run_experiment(
                 "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "run_key": run_key(exp, run, device),
             }
-            _append_row(results, row)
+            append_row(results, row)
     latest = {r["run_key"]: r for r in read_rows(results)}
     rows = [latest[k] for k in (run_key(exp, r, device) for r in exp.runs) if k in latest]
     df = write_report(exp.name, rows, reports_dir, exp.description)

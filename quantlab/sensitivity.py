@@ -35,6 +35,7 @@ from .methods.rtn import RTNConfig
 from .qlinear import QuantLinear
 from .registry import config_to_dict, get_method
 from .report import scheme
+from .runner import append_row, read_rows
 
 GRANULARITIES = ("layer", "type", "block")
 
@@ -193,16 +194,8 @@ def _block_of_module(ev: SuffixEvaluator, name: str) -> int:
 
 
 def read_cache(path: Path | None) -> dict[str, dict]:
-    if path is None or not path.exists():
-        return {}
-    rows = {}
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-            rows[row["key"]] = row
-        except (json.JSONDecodeError, KeyError):  # a line cut short by a crash: that unit is redone
-            continue
-    return rows
+    """key -> cached measurement; a line cut short by a crash is skipped, so that unit is redone."""
+    return {} if path is None else {r["key"]: r for r in read_rows(path) if "key" in r}
 
 
 def layer_sensitivity(
@@ -230,8 +223,7 @@ def layer_sensitivity(
             cache[key] = {"key": key, **metrics, "float_nll_mean": ev.float_nll / ev.predicted}
             if cache_path is not None:
                 cache_path.parent.mkdir(parents=True, exist_ok=True)
-                with cache_path.open("a") as f:
-                    f.write(json.dumps(cache[key]) + "\n")
+                append_row(cache_path, cache[key])
         rows.append(_row(model, unit, config, cfg, cache[key], granularity))
     return rows
 
