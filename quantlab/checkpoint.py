@@ -43,7 +43,7 @@ def load_checkpoint(directory: str | Path | None) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data only: no code runs
     except Exception as e:  # a file that is not a checkpoint: say which, do not silently start over
         raise ValueError(f"checkpoint {str(path)!r} cannot be read ({e.__class__.__name__}: {e}); delete it to start over") from e
 
