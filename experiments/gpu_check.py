@@ -27,12 +27,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from quantlab.bench import SPEED_COLUMNS, BenchConfig, estimate_for, interleaved_latency, prepare, speed_table  # noqa: E402
-from quantlab.envinfo import environment  # noqa: E402
-from quantlab.estimate import MIB  # noqa: E402
+from quantlab.eval.bench import SPEED_COLUMNS, BenchConfig, estimate_for, interleaved_latency, prepare, speed_table  # noqa: E402
+from quantlab.eval.estimate import MIB  # noqa: E402
 from quantlab.eval.latency import measure_latency  # noqa: E402
-from quantlab.models import load_model  # noqa: E402
-from quantlab.report import markdown_table  # noqa: E402
+from quantlab.models.loading import load_model  # noqa: E402
+from quantlab.reporting.report import markdown_table  # noqa: E402
+from quantlab.runs.envinfo import environment  # noqa: E402
 
 W8 = {"method": "rtn", "bits": 8}
 W4 = {"method": "rtn", "bits": 4, "group_size": 64, "symmetric": False}
@@ -51,8 +51,8 @@ def sweep_configs(device: torch.device) -> list[BenchConfig]:
 
 
 def run_quickstart(out: Path, device: torch.device) -> str:
-    from quantlab.experiment import load_experiment
-    from quantlab.runner import run_experiment
+    from quantlab.runs.experiment import load_experiment
+    from quantlab.runs.runner import run_experiment
 
     exp = dataclasses.replace(load_experiment(ROOT / "experiments" / "smollm2_quickstart.toml"), device=str(device))
     if device.type != "cuda":

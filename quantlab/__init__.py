@@ -5,10 +5,11 @@
 >>> quantlab.quantize(model, quantlab.RTNConfig(bits=4, group_size=64))
 """
 from . import methods  # noqa: F401  (registers the built-in methods)
-from .api import quantize, run_calibration, select_linears
-from .data import calibration_windows, eval_windows, load_token_ids
+from .backends.serialize import load_quantized, save_quantized
+from .core.lifecycle import quantize, run_calibration, select_linears
+from .core.qlinear import QuantLinear, WeightSpec
+from .core.registry import get_method, known_methods, make_config
 from .eval import measure_latency, perplexity, reference_logprobs, weight_stats
-from .experiment import load_experiment, parse_experiment
 from .methods.awq import AWQConfig
 from .methods.dynamic import DynamicConfig
 from .methods.gptq import GPTQConfig
@@ -17,11 +18,10 @@ from .methods.qat import QATConfig
 from .methods.rtn import RTNConfig
 from .methods.smoothquant import SmoothQuantConfig
 from .methods.static import StaticConfig
-from .models import load_model, model_info
-from .qlinear import QuantLinear, WeightSpec
-from .registry import get_method, known_methods, make_config
-from .runner import run_experiment
-from .serialize import load_quantized, save_quantized
+from .models.data import calibration_windows, eval_windows, load_token_ids
+from .models.loading import load_model, model_info
+from .runs.experiment import load_experiment, parse_experiment
+from .runs.runner import run_experiment
 
 __all__ = [
     "quantize", "run_calibration", "select_linears", "calibration_windows", "eval_windows", "load_token_ids",

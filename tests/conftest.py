@@ -46,7 +46,7 @@ def tiny_model(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def wikitext_dir() -> Path:
-    from quantlab.data import find_wikitext2_dir
+    from quantlab.models.data import find_wikitext2_dir
 
     path = find_wikitext2_dir()
     if path is None:

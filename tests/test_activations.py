@@ -4,14 +4,14 @@ import torch
 from torch import nn
 
 import quantlab
-from quantlab.activations import DynamicActQuant, StaticActQuant
-from quantlab.api import quant_linears
+from quantlab.core.activations import DynamicActQuant, StaticActQuant
+from quantlab.core.lifecycle import quant_linears
+from quantlab.core.observers import MinMaxObserver, export_stats
+from quantlab.core.primitives import code_range, fake_quantize, qparams, sqnr_db
+from quantlab.core.qlinear import QuantLinear, WeightSpec
+from quantlab.core.registry import config_to_dict, get_method, make_config
 from quantlab.methods.dynamic import DynamicConfig
 from quantlab.methods.static import StaticConfig, observe_activations, observer_factory
-from quantlab.observers import MinMaxObserver, export_stats
-from quantlab.primitives import code_range, fake_quantize, qparams, sqnr_db
-from quantlab.qlinear import QuantLinear, WeightSpec
-from quantlab.registry import config_to_dict, get_method, make_config
 
 
 def _gen(seed=0):

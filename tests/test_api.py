@@ -4,8 +4,8 @@ import torch
 from torch import nn
 
 import quantlab
-from quantlab.api import quant_linears, select_linears
-from quantlab.registry import LayerSelection, config_to_dict, make_config
+from quantlab.core.lifecycle import quant_linears, select_linears
+from quantlab.core.registry import LayerSelection, config_to_dict, make_config
 
 
 def test_unknown_method_lists_known():

@@ -6,15 +6,21 @@ import torch
 from torch import nn
 
 import quantlab
-from quantlab.api import quant_linears
-from quantlab.blocks import capture_block_inputs, run_block
-from quantlab.arch import ScaleGroup
+from quantlab.core.lifecycle import quant_linears, swap_in_quant_linears
+from quantlab.core.qlinear import QuantLinear, WeightSpec
+from quantlab.core.registry import config_to_dict, get_method, make_config
 from quantlab.methods.awq import (
-    AWQConfig, awq_block, awq_scale, fake_quant_weight, float_weights, scaled_error, search_clip, search_scale,
+    AWQConfig,
+    awq_block,
+    awq_scale,
+    fake_quant_weight,
+    float_weights,
+    scaled_error,
+    search_clip,
+    search_scale,
 )
-from quantlab.methods.rtn import RTNConfig, swap_in_quant_linears
-from quantlab.qlinear import QuantLinear, WeightSpec
-from quantlab.registry import config_to_dict, get_method, make_config
+from quantlab.methods.blocks import capture_block_inputs, run_block
+from quantlab.methods.rtn import RTNConfig
 
 
 def _salient_inputs(tokens=512, channels=128, n_salient=4, boost=30.0, seed=0):
@@ -155,7 +161,7 @@ def test_per_layer_error_with_clip_is_not_worse(tiny_model):
     model = _prepared_llama(tiny_model, bits=3)
     block = model.model.layers[0]
     hidden, kwargs = capture_block_inputs(model, _ids(n=8))
-    awq_block(block, quantlab.arch.arch_for(model)["groups"], hidden, kwargs, AWQConfig())
+    awq_block(block, quantlab.models.arch.arch_for(model)["groups"], hidden, kwargs, AWQConfig())
     layers = {n: m for n, m in block.named_modules() if isinstance(m, QuantLinear)}
     inputs = {}
     hooks = [m.register_forward_pre_hook(lambda m, a, n=n: inputs.setdefault(n, []).append(a[0].flatten(0, -2)))

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import quantlab
-from quantlab.api import quant_linears
 from quantlab.backends import PARITY_TOLERANCE, export_model, export_torchao, logits_diff, plan_export
 from quantlab.backends.modules import Int8DynamicLinear, TorchaoLinear
 from quantlab.backends.torchao import layer_parity
+from quantlab.core.lifecycle import quant_linears
 from quantlab.eval import weight_stats
 
 # Logits of the exported tiny model vs the simulated one (same dtype), max |diff| / max |ref|.
@@ -131,7 +131,7 @@ def test_bad_backend_name_fails_loudly(tiny_model_dir):
 
 
 def test_backend_key_leaves_default_run_keys_unchanged():
-    from quantlab.runner import run_key
+    from quantlab.runs.runner import run_key
 
     def exp(run):
         return quantlab.parse_experiment({"model": "x", "run": [run]})
@@ -157,7 +157,7 @@ def test_export_parity_on_cuda(tiny_model_dir, kernel, spec):
 
 
 def test_runner_exports_runs_with_a_backend_and_says_so(tiny_model_dir, tmp_path):
-    from quantlab.runner import run_experiment
+    from quantlab.runs.runner import run_experiment
 
     runs = [{"name": "fp32", "method": "none", "backend": "torchao"},
             {"name": "w8-sim", "method": "rtn", "bits": 8},

@@ -2,7 +2,14 @@
 import pytest
 import torch
 
-from quantlab.data import calibration_windows, eval_windows, find_wikitext2_dir, load_text, load_token_ids, tokenize
+from quantlab.models.data import (
+    calibration_windows,
+    eval_windows,
+    find_wikitext2_dir,
+    load_text,
+    load_token_ids,
+    tokenize,
+)
 
 
 def test_wikitext2_test_is_the_gptq_string(wikitext_dir):

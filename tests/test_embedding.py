@@ -5,8 +5,8 @@ import torch
 
 import quantlab
 from quantlab.eval.embedding import embedding_fidelity, layer_output_errors, mean_pooled_embeddings, sentences_from_text
-from quantlab.experiment import parse_experiment
-from quantlab.runner import run_experiment
+from quantlab.runs.experiment import parse_experiment
+from quantlab.runs.runner import run_experiment
 
 TEXT = " = Heading = \n" + " The cat sat on the mat near the door . A dog ran in the park all day long . Short one .\n" * 30
 

@@ -62,7 +62,7 @@ def test_weight_stats_count_tied_embeddings_once_and_real_codes(tiny_model):
     assert fp["weight_bytes"] == unique + sum(b.nbytes for b in model.buffers())
     quantlab.quantize(model, quantlab.RTNConfig(bits=4, group_size=32, symmetric=False))
     q = weight_stats(model)
-    numel = sum(m.in_features * m.out_features for m in quantlab.api.quant_linears(model).values())
+    numel = sum(m.in_features * m.out_features for m in quantlab.core.lifecycle.quant_linears(model).values())
     # 4-bit codes + fp16 scale + uint8 zero per 32 weights = 4.75 bits
     assert q["bits_per_weight"] == pytest.approx(4 + 16 / 32 + 8 / 32)
     assert q["quant_layer_bytes"] == numel * 4.75 / 8

@@ -5,9 +5,9 @@ import tomllib
 import pandas as pd
 import pytest
 
-from quantlab import runner
 from quantlab.cli import main
-from quantlab.experiment import load_experiment, parse_experiment
+from quantlab.runs import runner
+from quantlab.runs.experiment import load_experiment, parse_experiment
 
 REPORT_COLUMNS = {
     "run", "method", "scheme", "bits", "group_size", "symmetric", "ppl", "ppl_delta_pct", "kl_mean", "top1_agree",
@@ -37,7 +37,7 @@ def test_quickstart_file_validates():
     ({"model": "m", "eval": {"seqlen": 5}, "run": [{"name": "a", "method": "none"}]}, r"\[eval\]: unknown key\(s\) 'seqlen'"),
     ({"model": "m", "run": [{"name": "a", "method": "gtpq"}]}, r"run 'a': unknown method 'gtpq'; known: .*none, .*rtn"),
     ({"model": "m", "run": [{"name": "a", "method": "rtn", "bits": 9}]}, r"run 'a': bits must be an integer in 2..8, got 9"),
-    ({"model": "m", "run": [{"name": "a", "method": "rtn", "group_size": 0}]}, "group_size must be a positive integer"),
+    ({"model": "m", "run": [{"name": "a", "method": "rtn", "group_size": 0}]}, "group_size must be an integer >= 1"),
     ({"model": "m", "run": [{"name": "a", "method": "none"}, {"name": "a", "method": "none"}]}, "duplicate run name"),
     ({"model": "m", "calibration": {"split": "test"}, "run": [{"name": "a", "method": "none"}]}, "never calibrate"),
     ({"model": "m", "run": []}, r"has no \[\[run\]\] entries"),

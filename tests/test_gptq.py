@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import quantlab
+from quantlab.core.primitives import fake_quantize
+from quantlab.core.qlinear import QuantLinear, WeightSpec
 from quantlab.methods.gptq import GPTQConfig, gptq_solve
-from quantlab.primitives import fake_quantize
-from quantlab.qlinear import QuantLinear, WeightSpec
 
 
 def _weights(out_f=32, in_f=96, seed=0):
@@ -117,7 +117,7 @@ def test_gptq_model_output_closer_to_float_than_rtn(tiny_model_dir):
         with torch.no_grad():
             ref = model(test).logits
         quantlab.quantize(model, cfg, calibration=calib)
-        assert all(m.frozen for m in quantlab.api.quant_linears(model).values())
+        assert all(m.frozen for m in quantlab.core.lifecycle.quant_linears(model).values())
         with torch.no_grad():
             errs[name] = (model(test).logits - ref).pow(2).mean().item()
     assert errs["gptq"] < errs["rtn"]

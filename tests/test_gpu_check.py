@@ -6,7 +6,6 @@ import importlib.util
 import pandas as pd
 import pytest
 import torch
-
 from conftest import REPO
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import quantlab
+from quantlab.backends.serialize import save_quantized
 from quantlab.eval import measure_latency
 from quantlab.eval.memprobe import measure_peak_memory
-from quantlab.serialize import save_quantized
 
 
 def _prompt(b, t, seed=0):

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from quantlab import make_config
-from quantlab.mixed import achievable_bits, mixed_run_table, solve_budget, solve_mckp
+from quantlab.mixed.solver import achievable_bits, mixed_run_table, solve_budget, solve_mckp
 
 
 def _brute_force(costs, values, budget):

@@ -4,7 +4,7 @@ import importlib.util
 import pytest
 import torch
 
-from quantlab import models
+from quantlab.models import loading as models
 
 
 def test_cuda_requested_without_cuda_is_a_clear_error():

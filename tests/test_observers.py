@@ -2,11 +2,17 @@
 import pytest
 import torch
 
-from quantlab.observers import (
-    OBSERVERS, MSEObserver, MovingAverageMinMaxObserver, PercentileObserver, export_stats, import_stats,
-    keep_random_rows, make_observer,
+from quantlab.core.observers import (
+    OBSERVERS,
+    MovingAverageMinMaxObserver,
+    MSEObserver,
+    PercentileObserver,
+    export_stats,
+    import_stats,
+    keep_random_rows,
+    make_observer,
 )
-from quantlab.primitives import code_range
+from quantlab.core.primitives import code_range
 
 
 def _batches(n=5, shape=(3, 40, 8), seed=0):
@@ -168,7 +174,7 @@ def test_state_export_and_import_reproduce_the_range(name, kwargs, per_channel):
 @pytest.mark.parametrize("name,kwargs,match", [
     ("moving_average", {"averaging_constant": 0.0}, r"averaging_constant must be in \(0, 1\], got 0.0"),
     ("percentile", {"percentile": 40}, r"percentile must be a number in \(50, 100\], got 40"),
-    ("percentile", {"max_samples": 0}, "max_samples must be a positive integer, got 0"),
+    ("percentile", {"max_samples": 0}, "max_samples must be an integer >= 1, got 0"),
     ("mse", {"bits": 9}, "bits must be an integer in 2..8, got 9"),
     ("mse", {"max_shrink": 1.0}, r"max_shrink must be in \(0, 1\), got 1.0"),
 ])

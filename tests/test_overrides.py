@@ -9,12 +9,12 @@ import torch
 
 import quantlab
 from quantlab import make_config
-from quantlab.api import quant_linears
-from quantlab.experiment import load_experiment, parse_experiment
-from quantlab.overrides import LayerOverride
-from quantlab.primitives import fake_quantize, qparams
-from quantlab.runner import non_default_fields, read_rows, run_key
-from quantlab.tomlwrite import experiment_toml
+from quantlab.core.lifecycle import quant_linears
+from quantlab.core.overrides import LayerOverride
+from quantlab.core.primitives import fake_quantize, qparams
+from quantlab.runs.experiment import load_experiment, parse_experiment
+from quantlab.runs.runner import non_default_fields, read_rows, run_key
+from quantlab.runs.tomlwrite import experiment_toml
 
 OVERRIDES = [
     {"pattern": "model.layers.0.mlp.down_proj", "bits": 8, "group_size": "channel"},

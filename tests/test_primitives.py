@@ -4,10 +4,8 @@ import math
 import pytest
 import torch
 
-from quantlab import packing
-from quantlab.primitives import (
-    QParams, code_range, dequantize, fake_quantize, qparams, quantize, sqnr_db,
-)
+from quantlab.core import packing
+from quantlab.core.primitives import QParams, code_range, dequantize, fake_quantize, qparams, quantize, sqnr_db
 
 
 def brute_force_fake_quant(x, bits, group_size, symmetric):

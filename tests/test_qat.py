@@ -7,14 +7,14 @@ import pytest
 import torch
 
 import quantlab
-import quantlab.train as train_mod
-from quantlab import runner
-from quantlab.checkpoint import load_checkpoint
-from quantlab.experiment import parse_experiment
-from quantlab.learned import QATLinear
-from quantlab.lsq import lsq_fake_quantize, lsq_grad_scale
-from quantlab.primitives import QParams, code_range, fake_quantize, qparams
-from quantlab.train import TrainingDiverged, distill_loss
+import quantlab.qat.train as train_mod
+from quantlab.core.primitives import code_range, fake_quantize, qparams
+from quantlab.qat.checkpoint import load_checkpoint
+from quantlab.qat.lsq import lsq_fake_quantize, lsq_grad_scale
+from quantlab.qat.modules import QATLinear
+from quantlab.qat.train import TrainingDiverged, distill_loss
+from quantlab.runs import runner
+from quantlab.runs.experiment import parse_experiment
 
 RTN3 = {"method": "rtn", "bits": 3, "group_size": 32, "symmetric": False}
 
@@ -130,7 +130,7 @@ def test_qat_lowers_quantized_loss_vs_rtn(bits, learn_scales):
 def test_ptq_then_qat_starts_from_the_ptq_grid_and_needs_lr_to_leave_it():
     """GPTQ -> QAT (STE): step 0 is GPTQ's model exactly; a weight on its grid only changes code once the
     optimizer has moved it half a step, so a tiny lr returns GPTQ's codes and a large one does not."""
-    from quantlab.api import quant_linears
+    from quantlab.core.lifecycle import quant_linears
 
     teacher, data = _tiny_lm(), _data(n=8)
     calib = [w.unsqueeze(0) for w in data]
@@ -183,7 +183,7 @@ def test_convert_equals_fake_quant_exactly_and_matches_ptq_form(base, learn_scal
 
     ptq = copy.deepcopy(teacher)  # the same integer form PTQ of the base produces
     quantlab.quantize(ptq, config.base, calibration=calib)
-    q_layers, p_layers = quantlab.api.quant_linears(model), quantlab.api.quant_linears(ptq)
+    q_layers, p_layers = quantlab.core.lifecycle.quant_linears(model), quantlab.core.lifecycle.quant_linears(ptq)
     assert q_layers.keys() == p_layers.keys()
     for name, layer in q_layers.items():
         ref = p_layers[name]
@@ -280,7 +280,7 @@ def test_checkpoint_from_another_config_is_refused(tmp_path, monkeypatch):
     ({"scale_lr": 0.0}, r"scale_lr must be"),
     ({"steps": 0}, r"steps must be an integer >= 1, got 0"),
     ({"batch_size": 0}, r"batch_size must be an integer >= 1"),
-    ({"dtype": "int8"}, r"unknown training dtype 'int8'; known: float32, bfloat16, float16"),
+    ({"dtype": "int8"}, r"unknown training dtype 'int8'; known: float32, float16, bfloat16"),
     ({"ce_weight": 0, "kd_weight": 0}, r"both 0"),
     ({"learn_scales": "yes"}, r"learn_scales must be true or false"),
     ({"base": {"method": "none"}}, r"base must be one of awq, dynamic, gptq, rtn, static .* got 'none'"),

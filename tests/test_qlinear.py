@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from quantlab.qlinear import QuantLinear, WeightSpec
+from quantlab.core.qlinear import QuantLinear, WeightSpec
 
 
 def _layer(in_f=576, out_f=48, bias=True, seed=0):
@@ -46,8 +46,8 @@ def test_storage_bytes_are_real_and_shrink(bits, group_size, symmetric):
 @pytest.mark.parametrize("kwargs,match", [
     ({"bits": 1}, "bits must be an integer in 2..8"),
     ({"bits": 9}, "bits must be an integer in 2..8"),
-    ({"group_size": 0}, "group_size must be a positive integer"),
-    ({"group_size": -64}, "group_size must be a positive integer"),
+    ({"group_size": 0}, "group_size must be an integer >= 1"),
+    ({"group_size": -64}, "group_size must be an integer >= 1"),
     ({"scale_dtype": "float64"}, "unknown scale_dtype 'float64'; known: float32, float16, bfloat16"),
 ])
 def test_weight_spec_rejects_bad_values(kwargs, match):

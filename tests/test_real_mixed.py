@@ -4,8 +4,9 @@ import copy
 import pytest
 
 import quantlab
-from quantlab import make_config, sensitivity
-from quantlab.sensitivity import SuffixEvaluator, make_units, validation_windows
+from quantlab import make_config
+from quantlab.mixed import sensitivity
+from quantlab.mixed.sensitivity import SuffixEvaluator, make_units, validation_windows
 
 pytestmark = pytest.mark.slow
 

@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 
 import quantlab
-from quantlab.data import eval_windows, load_token_ids
 from quantlab.eval import perplexity, weight_stats
-from quantlab.experiment import load_experiment
-from quantlab.runner import run_experiment
+from quantlab.models.data import eval_windows, load_token_ids
+from quantlab.runs.experiment import load_experiment
+from quantlab.runs.runner import run_experiment
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ import copy
 import pytest
 
 import quantlab
-from quantlab.data import calibration_windows, eval_windows, load_text, load_token_ids
 from quantlab.eval.embedding import embedding_fidelity, mean_pooled_embeddings, sentences_from_text
+from quantlab.models.data import calibration_windows, eval_windows, load_text, load_token_ids
 
 pytestmark = pytest.mark.slow
 

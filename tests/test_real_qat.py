@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import quantlab
-from quantlab.data import calibration_windows, eval_windows, load_token_ids
+from quantlab.models.data import calibration_windows, eval_windows, load_token_ids
 
 pytestmark = pytest.mark.slow
 

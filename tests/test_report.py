@@ -7,11 +7,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from quantlab import plots, runner
 from quantlab.cli import main
-from quantlab.compare import compare_reports
-from quantlab.experiment import parse_experiment
-from quantlab.regenerate import regenerate_report
+from quantlab.reporting import plots
+from quantlab.reporting.compare import compare_reports
+from quantlab.reporting.regenerate import regenerate_report
+from quantlab.runs import runner
+from quantlab.runs.experiment import parse_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -238,7 +239,7 @@ def test_compare_pairs_ppl_over_the_stored_windows(tiny_reports, tmp_path):
 
 def test_compare_ignores_fields_added_later_with_their_default():
     """An old report's config lacks `overrides`; that alone is not a different config."""
-    from quantlab.compare import _config_key
+    from quantlab.reporting.compare import _config_key
 
     old = '{"bits": 4, "group_size": 64, "method": "rtn", "name": "w4", "symmetric": false}'
     new = '{"bits": 4, "group_size": 64, "method": "rtn", "name": "w4", "overrides": [], "symmetric": false}'

@@ -3,9 +3,9 @@ import pandas as pd
 import pytest
 import torch
 
-from quantlab import runner
-from quantlab.experiment import parse_experiment
-from quantlab.report import summarize_seeds
+from quantlab.reporting.report import summarize_seeds
+from quantlab.runs import runner
+from quantlab.runs.experiment import parse_experiment
 
 RUNS = [{"name": "fp32", "method": "none"}, {"name": "w4", "method": "rtn", "bits": 4, "group_size": 32},
         {"name": "gptq", "method": "gptq", "bits": 4, "group_size": 32, "symmetric": False}]

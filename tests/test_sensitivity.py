@@ -6,11 +6,12 @@ import pytest
 import torch
 
 import quantlab
-from quantlab import make_config, sensitivity
+from quantlab import make_config
 from quantlab.cli import main
-from quantlab.data import eval_windows, tokenize
-from quantlab.sensitivity import SuffixEvaluator, make_units, sweep
-from quantlab.sensitivity_plot import write_sensitivity
+from quantlab.mixed import sensitivity
+from quantlab.mixed.plot import write_sensitivity
+from quantlab.mixed.sensitivity import SuffixEvaluator, make_units, sweep
+from quantlab.models.data import eval_windows, tokenize
 
 W4 = {"method": "rtn", "bits": 4, "group_size": 32, "symmetric": False}
 W2 = {"method": "rtn", "bits": 2, "group_size": 32, "symmetric": False}
@@ -90,7 +91,7 @@ def test_only_rtn_configs_and_known_granularities(setup):
 
 
 def test_cli_reads_the_validation_split_never_test(tiny_model_dir, tmp_path, monkeypatch):
-    from quantlab import data
+    from quantlab.models import data
 
     seen = []
     text = (tiny_model_dir / "sample.txt").read_text()
@@ -112,8 +113,8 @@ def test_cli_reads_the_validation_split_never_test(tiny_model_dir, tmp_path, mon
 
 
 def test_mixed_cli_writes_an_experiment_the_runner_accepts(setup, tiny_model_dir, tmp_path):
-    from quantlab import runner
-    from quantlab.experiment import load_experiment
+    from quantlab.runs import runner
+    from quantlab.runs.experiment import load_experiment
 
     model, windows = setup
     cands = [W2, W4, {"method": "rtn", "bits": 8, "symmetric": False}]

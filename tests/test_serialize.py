@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import quantlab
-from quantlab.api import quant_linears
-from quantlab.serialize import QCONFIG, WEIGHTS, load_quantized, save_quantized
+from quantlab.backends.serialize import QCONFIG, WEIGHTS, load_quantized, save_quantized
+from quantlab.core.lifecycle import quant_linears
 
 SPECS = [
     {"method": "rtn", "bits": 4, "group_size": 32, "symmetric": False},

@@ -4,15 +4,20 @@ import torch
 from torch import nn
 
 import quantlab
-from quantlab.activations import DynamicActQuant, StaticActQuant
-from quantlab.api import quant_linears
-from quantlab.methods.rtn import swap_in_quant_linears
+from quantlab.core.activations import DynamicActQuant, StaticActQuant
+from quantlab.core.lifecycle import quant_linears, swap_in_quant_linears
+from quantlab.core.primitives import fake_quantize, qparams, sqnr_db
+from quantlab.core.qlinear import WeightSpec
+from quantlab.core.registry import LayerSelection, config_to_dict, get_method, make_config
 from quantlab.methods.smoothquant import (
-    ALPHA_GRID, SmoothQuantConfig, collect_smoothing_stats, output_error, search_alpha, smooth, smoothing_scale,
+    ALPHA_GRID,
+    SmoothQuantConfig,
+    collect_smoothing_stats,
+    output_error,
+    search_alpha,
+    smooth,
+    smoothing_scale,
 )
-from quantlab.primitives import fake_quantize, qparams, sqnr_db
-from quantlab.qlinear import WeightSpec
-from quantlab.registry import LayerSelection, config_to_dict, get_method, make_config
 
 
 def _gen(seed=0):
@@ -26,9 +31,7 @@ def _ids(n, t=32, seed=0, vocab=300):
 
 def _tiny(kind: str) -> nn.Module:
     """Small random models; norms get random weights/biases so folding them is really exercised."""
-    from transformers import (
-        BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM,
-    )
+    from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
     torch.manual_seed(0)
     if kind == "llama-mha":  # no GQA: v_proj -> o_proj is smoothed too

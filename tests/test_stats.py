@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from quantlab import stats
+from quantlab.reporting import stats
 
 TOK = 511  # predicted tokens per window of seq_len 512
 

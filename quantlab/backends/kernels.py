@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..activations import DynamicActQuant
-from ..qlinear import QuantLinear
+from ..core.activations import DynamicActQuant
+from ..core.qlinear import QuantLinear
 
 KERNELS = ("int8_weight_only", "int8_dynamic", "int4_cpu", "int4_cuda")
 INT4_GROUP_SIZES = (32, 64, 128)

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import packing
-from ..primitives import code_range, qparams, quantize
-from ..qlinear import QuantLinear
+from ..core import packing
+from ..core.primitives import code_range, qparams, quantize
+from ..core.qlinear import QuantLinear
 
 
 def unsigned_codes(layer: QuantLinear) -> torch.Tensor:

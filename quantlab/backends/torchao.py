@@ -16,8 +16,8 @@ from collections import Counter
 import torch
 from torch import nn
 
-from ..api import quant_linears, set_submodule
-from ..qlinear import QuantLinear
+from ..core.lifecycle import quant_linears, set_submodule
+from ..core.qlinear import QuantLinear
 from .kernels import KERNEL_DTYPE, choose_kernel
 from .modules import build_module
 

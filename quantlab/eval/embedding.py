@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..qlinear import QuantLinear
+from ..core.qlinear import QuantLinear
 
 
 def sentences_from_text(text: str, num_sentences: int, min_words: int = 6) -> list[str]:

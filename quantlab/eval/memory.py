@@ -7,7 +7,7 @@ import sys
 import torch
 from torch import nn
 
-from ..qlinear import QuantLinear
+from ..core.qlinear import QuantLinear
 
 MIB = 2**20
 

@@ -76,8 +76,9 @@ def _load(spec: dict):
     """The model alone (no tokenizer, so float and quantized configurations carry the same framework)."""
     from transformers import AutoModelForCausalLM
 
-    from ..models import resolve_dtype, resolve_model_path
-    from ..serialize import load_quantized
+    from ..backends.serialize import load_quantized
+    from ..core.checks import resolve_dtype
+    from ..models.loading import resolve_model_path
 
     device = spec.get("device", "cpu")
     if spec.get("quantized_dir"):

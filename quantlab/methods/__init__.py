@@ -1,6 +1,5 @@
-"""Built-in methods. Importing this package registers them.
+"""Built-in methods; importing this package registers them.
 
 Adding a method: one file here, one import line below, one test file.
 """
-from . import awq, dynamic, gptq, none, rtn, smoothquant, static  # noqa: F401
-from . import qat  # noqa: F401  (after the methods it builds on)
+from . import awq, dynamic, gptq, none, qat, rtn, smoothquant, static  # noqa: F401

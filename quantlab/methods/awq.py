@@ -29,19 +29,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..arch import ScaleGroup, arch_for
-from ..blocks import for_each_block, run_block
-from ..observers import HessianObserver, Observer
-from ..primitives import QParams, _grouped, fake_quantize, n_groups, qparams_from_range
-from ..qlinear import QuantLinear, WeightSpec
-from ..registry import Method, as_config, get_method, register_method
-from ..smoothing import apply_scale, group_applies
-from .rtn import RTNConfig, freeze_all, swap_in_quant_linears
-
-
-def _check_int(field: str, value, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ValueError(f"{field} must be an integer in {lo}..{hi}, got {value!r}")
+from ..core.checks import check_int
+from ..core.lifecycle import freeze_all, swap_in_quant_linears
+from ..core.observers import HessianObserver, MeanAbsObserver
+from ..core.primitives import QParams, _grouped, fake_quantize, n_groups, qparams_from_range
+from ..core.qlinear import QuantLinear, WeightSpec
+from ..core.registry import Method, as_config, get_method, register_method
+from ..models.arch import ScaleGroup, arch_for
+from .blocks import for_each_block, run_block
+from .rtn import RTNConfig
+from .smoothing import apply_scale, group_applies
 
 
 @dataclass(frozen=True)
@@ -67,8 +64,8 @@ class AWQConfig:
             name = get_method(base).name
             raise ValueError(f"base must be a weight-only rtn config (method 'rtn'), got method {name!r}")
         object.__setattr__(self, "base", base)
-        _check_int("n_grid", self.n_grid, 1, 1000)
-        _check_int("clip_grid", self.clip_grid, 1, 1000)
+        check_int("n_grid", self.n_grid, 1, 1000)
+        check_int("clip_grid", self.clip_grid, 1, 1000)
         if not isinstance(self.clip_search, bool):
             raise ValueError(f"clip_search must be true or false, got {self.clip_search!r}")
         if isinstance(self.clip_max_shrink, bool) or not isinstance(self.clip_max_shrink, (int, float)) \
@@ -80,28 +77,6 @@ class AWQConfig:
         """Range multipliers tried by the clip search; the first is 1 (min-max)."""
         steps = math.floor(self.clip_max_shrink * self.clip_grid + 1e-9)
         return [1 - i / self.clip_grid for i in range(steps + 1)]
-
-
-class MeanAbsObserver(Observer):
-    """Running mean of |x| per channel (last dim): AWQ's activation salience."""
-
-    name = "meanabs"
-
-    def __init__(self):
-        self.abs_sum: torch.Tensor | None = None
-        self.samples = torch.zeros((), dtype=torch.long)
-
-    def update(self, x: torch.Tensor) -> None:
-        x = x.detach().reshape(-1, x.shape[-1]).float()  # (rows, C)
-        total = x.abs().sum(0)
-        self.abs_sum = total if self.abs_sum is None else self.abs_sum + total
-        self.samples = self.samples + x.shape[0]
-
-    def compute(self, where: str = "") -> torch.Tensor:
-        if self.abs_sum is None:
-            raise ValueError(f"meanabs observer{' of ' + where if where else ''} saw no data")
-        self._check_finite(self.abs_sum, where)
-        return self.abs_sum / self.samples
 
 
 # ---- pure numerics -------------------------------------------------------------------------
@@ -280,7 +255,7 @@ class AWQ(Method):
         arch_for(model)  # an unknown model_type fails before the model is touched
         swap_in_quant_linears(model, config.base.selection, config.base.weight_spec, config.base.overrides)
 
-    def calibrate(self, model, config: AWQConfig, batches) -> None:
+    def calibrate(self, model, config: AWQConfig, batches, progress: bool = True) -> dict:
         groups = arch_for(model)["groups"]
         batches = list(batches)
         tokens = sum(b.numel() for b in batches)
@@ -291,7 +266,8 @@ class AWQ(Method):
         def process(index, block, inputs, kwargs):
             awq_block(block, groups, inputs, kwargs, config, prefix=f"{names[id(block)]}.")
 
-        for_each_block(model, batches, process, desc="awq")
+        for_each_block(model, batches, process, desc="awq", progress=progress)
+        return {}
 
     def convert(self, model, config: AWQConfig) -> None:
         freeze_all(model)

@@ -13,28 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..activations import DynamicActQuant, attach_act_quant, check_act_bits
-from ..registry import Method, as_config, get_method, known_methods, register_method
+from ..core.activations import DynamicActQuant, attach_act_quant, check_act_bits
+from ..core.registry import Method, as_weight_base, get_method, needs_calibration, register_method
 from .rtn import RTNConfig
-
-
-def quantizes_activations(method: Method) -> bool:
-    return getattr(method, "quantizes_activations", False)
-
-
-def needs_calibration(config: Any) -> bool:
-    """Whether `config` needs calibration data (its method may defer to its own base)."""
-    return get_method(config).needs_calibration_for(config)
-
-
-def as_weight_base(value: Any, owner: str) -> Any:
-    """A weight-only base config (dict from TOML or config object), or a ValueError listing the valid methods."""
-    config = as_config(value, "base")
-    method = get_method(config)
-    if method.name == "none" or quantizes_activations(method):
-        valid = [m for m in known_methods() if m != "none" and not quantizes_activations(get_method(m))]
-        raise ValueError(f"{owner}: base must be a weight quantization method ({', '.join(valid)}), got {method.name!r}")
-    return config
 
 
 @dataclass(frozen=True)
@@ -66,9 +47,10 @@ class Dynamic(Method):
     def prepare(self, model, config: DynamicConfig) -> None:
         get_method(config.base).prepare(model, config.base)
 
-    def calibrate(self, model, config: DynamicConfig, batches) -> None:
+    def calibrate(self, model, config: DynamicConfig, batches, progress: bool = True) -> dict | None:
         if needs_calibration(config.base):
-            get_method(config.base).calibrate(model, config.base, batches)
+            return get_method(config.base).calibrate(model, config.base, batches, progress)
+        return None
 
     def convert(self, model, config: DynamicConfig) -> None:
         get_method(config.base).convert(model, config.base)

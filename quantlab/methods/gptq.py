@@ -10,18 +10,19 @@ gate/up, down) one after another.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
 
-from ..arch import ARCH
-from ..blocks import for_each_block, run_block
-from ..observers import HessianObserver, attach_input_observers
-from ..primitives import QParams, code_range
-from ..qlinear import QuantLinear, WeightSpec
-from ..registry import Method, register_method
-from .rtn import RTNConfig, freeze_all, swap_in_quant_linears
+from ..core.checks import check_int
+from ..core.lifecycle import freeze_all, swap_in_quant_linears
+from ..core.observers import HessianObserver, attach_input_observers
+from ..core.primitives import QParams, code_range
+from ..core.qlinear import QuantLinear, WeightSpec
+from ..core.registry import Method, register_method
+from ..models.arch import ARCH
+from .blocks import for_each_block, run_block
+from .rtn import RTNConfig
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,7 @@ class GPTQConfig(RTNConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        check_int("block_size", self.block_size, 1)
         if not 0 < self.damp < 1:
             raise ValueError(f"damp must be in (0, 1), got {self.damp!r}")
 
@@ -130,7 +130,7 @@ class GPTQ(Method):
     def prepare(self, model, config: GPTQConfig) -> None:
         swap_in_quant_linears(model, config.selection, config.weight_spec, config.overrides)
 
-    def calibrate(self, model, config: GPTQConfig, batches) -> None:
+    def calibrate(self, model, config: GPTQConfig, batches, progress: bool = True) -> dict:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         prefix = {id(m): n for n, m in model.named_modules()}
 
@@ -153,7 +153,8 @@ class GPTQ(Method):
                     layer.fixed_qparams = p
                     layer.quant_enabled = True
 
-        for_each_block(model, batches, process, desc="gptq")
+        for_each_block(model, batches, process, desc="gptq", progress=progress)
+        return {}
 
     def convert(self, model, config: GPTQConfig) -> None:
         freeze_all(model)

@@ -1,7 +1,7 @@
 """`none`: the unquantized baseline (the model is left as loaded)."""
 from dataclasses import dataclass
 
-from ..registry import Method, register_method
+from ..core.registry import Method, register_method
 
 
 @dataclass(frozen=True)

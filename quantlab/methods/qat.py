@@ -10,7 +10,7 @@
 
 Lifecycle: prepare = the base's prepare, with every QuantLinear made a QATLinear;
 calibrate = the base's (GPTQ / AWQ / static ranges: "PTQ then QAT"); train = fake-quant
-fine-tuning (quantlab/train.py) of the quantized layers' weights and, with learn_scales, of
+fine-tuning (quantlab/qat/train.py) of the quantized layers' weights and, with learn_scales, of
 LSQ scales and zero points initialised from the base's qparams; convert = fix the learned
 qparams, then the base's convert, so the result holds the same packed integer codes + scales
 (+ activation quantizers) a PTQ run of the base produces, with outputs equal to the
@@ -26,14 +26,13 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..activations import DynamicActQuant, StaticActQuant
-from ..api import quant_linears, set_submodule
-from ..learned import LearnedStaticActQuant, LearnedWeightQuant, QATLinear, bake
-from ..primitives import QParams
-from ..registry import Method, as_config, config_to_dict, get_method, register_method
-from ..train import train
-from ..train_settings import TrainSettings
-from .dynamic import needs_calibration
+from ..core.activations import DynamicActQuant, StaticActQuant
+from ..core.lifecycle import quant_linears, set_submodule
+from ..core.primitives import QParams
+from ..core.registry import Method, as_config, config_to_dict, get_method, needs_calibration, register_method
+from ..qat.modules import LearnedStaticActQuant, LearnedWeightQuant, QATLinear, bake
+from ..qat.settings import TrainSettings
+from ..qat.train import train
 from .rtn import RTNConfig
 
 QAT_BASES = ("awq", "dynamic", "gptq", "rtn", "static")  # methods whose QuantLinear layers exist after prepare()
@@ -124,9 +123,10 @@ class QAT(Method):
         for name, layer in layers.items():
             set_submodule(model, name, QATLinear.from_quant_linear(layer))
 
-    def calibrate(self, model, config: QATConfig, batches) -> None:
+    def calibrate(self, model, config: QATConfig, batches, progress: bool = True) -> dict | None:
         if needs_calibration(config.base):
-            get_method(config.base).calibrate(model, config.base, batches)
+            return get_method(config.base).calibrate(model, config.base, batches, progress)
+        return None
 
     def train(self, model, config: QATConfig, data, teacher=None, checkpoint_dir=None, progress=True) -> dict:
         attach_quantizers(model, config)

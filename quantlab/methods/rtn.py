@@ -6,19 +6,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import nn
-
-from ..api import quant_linears, select_linears, set_submodule
-from ..overrides import LayerOverride, check_overrides_match, parse_overrides, spec_for
-from ..qlinear import QuantLinear, WeightSpec
-from ..registry import LayerSelection, Method, register_method
+from ..core.lifecycle import freeze_all, swap_in_quant_linears
+from ..core.overrides import LayerOverride, parse_overrides, spec_for
+from ..core.qlinear import WeightSpec
+from ..core.registry import LayerSelection, Method, register_method
 
 
 @dataclass(frozen=True)
 class RTNConfig:
     """bits 2..8; group_size None = per output channel; symmetric or asymmetric (zero point).
 
-    overrides: per-layer grids by name glob, later matches win (see quantlab/overrides.py).
+    overrides: per-layer grids by name glob, later matches win (see quantlab/core/overrides.py).
     """
 
     bits: int = 4
@@ -46,23 +44,6 @@ class RTNConfig:
     @property
     def selection(self) -> LayerSelection:
         return LayerSelection(self.include, self.exclude)
-
-
-def swap_in_quant_linears(
-    model: nn.Module, selection: LayerSelection, spec: WeightSpec, overrides: tuple[LayerOverride, ...] = (),
-) -> list[str]:
-    """Replace selected nn.Linear modules by fake-quant QuantLinear (grid: spec + matching overrides);
-    returns their names. An override matching no selected layer is an error."""
-    chosen = select_linears(model, selection)
-    check_overrides_match(overrides, [n for n, _ in chosen])
-    for name, linear in chosen:
-        set_submodule(model, name, QuantLinear.from_linear(linear, spec_for(spec, overrides, name)))
-    return [n for n, _ in chosen]
-
-
-def freeze_all(model: nn.Module) -> None:
-    for layer in quant_linears(model).values():
-        layer.freeze()
 
 
 @register_method

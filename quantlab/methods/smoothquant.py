@@ -24,15 +24,23 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..activations import DynamicActQuant, StaticActQuant
-from ..api import quant_linears, run_calibration
-from ..arch import ScaleGroup, arch_for, find_blocks
-from ..observers import Observer, attach_input_observers, keep_random_rows
-from ..primitives import fake_quantize
-from ..qlinear import WeightSpec
-from ..registry import Method, as_config, get_method, known_methods, register_method
-from ..smoothing import apply_scale, group_applies, group_modules
-from .dynamic import DynamicConfig, needs_calibration, quantizes_activations
+from ..core.activations import DynamicActQuant, StaticActQuant
+from ..core.lifecycle import quant_linears, run_calibration
+from ..core.observers import SmoothStats, attach_input_observers
+from ..core.primitives import fake_quantize
+from ..core.qlinear import WeightSpec
+from ..core.registry import (
+    Method,
+    as_config,
+    get_method,
+    known_methods,
+    needs_calibration,
+    quantizes_activations,
+    register_method,
+)
+from ..models.arch import ScaleGroup, arch_for, find_blocks
+from .dynamic import DynamicConfig
+from .smoothing import apply_scale, group_applies, group_modules
 
 log = logging.getLogger(__name__)
 
@@ -62,36 +70,6 @@ class SmoothQuantConfig:
         object.__setattr__(self, "base", base)
 
 
-class SmoothStats(Observer):
-    """Per-channel max|x| of a group's input, plus (sample_rows > 0) a bounded random sample of token rows."""
-
-    name = "smoothquant"
-
-    def __init__(self, sample_rows: int = 0, seed: int = 0, where: str = ""):
-        self.sample_rows, self.seed, self.where = sample_rows, seed, where
-        self.act_absmax: torch.Tensor | None = None  # (C,)
-        self.samples: torch.Tensor | None = None  # (n <= sample_rows, C)
-        self.keys: torch.Tensor | None = None
-        self._generator: torch.Generator | None = None
-
-    def update(self, x: torch.Tensor) -> None:
-        x = x.detach().float()
-        self._check_finite(x, self.where)
-        rows = x.reshape(-1, x.shape[-1])  # (tokens, C)
-        amax = rows.abs().amax(0)
-        self.act_absmax = amax if self.act_absmax is None else torch.maximum(self.act_absmax, amax)
-        if self.sample_rows:
-            if self._generator is None or self._generator.device != x.device:
-                self._generator = torch.Generator(device=x.device).manual_seed(self.seed)
-            self.samples, self.keys = keep_random_rows(self.samples, self.keys, rows, self.sample_rows, self._generator)
-
-    def compute(self) -> torch.Tensor:
-        if self.act_absmax is None:
-            raise ValueError(f"smoothquant statistics of {self.where} saw no data")
-        self._check_finite(self.act_absmax, self.where)
-        return self.act_absmax
-
-
 def _foldable(model: nn.Module, group: ScaleGroup) -> bool:
     """Architecture variants the table does not describe, where folding would change the function."""
     cfg = model.config
@@ -115,7 +93,8 @@ def smoothing_groups(model: nn.Module) -> list[tuple[str, nn.Module, ScaleGroup]
     ]
 
 
-def collect_smoothing_stats(model: nn.Module, batches, sample_rows: int = 0, seed: int = 0) -> dict[str, SmoothStats]:
+def collect_smoothing_stats(model: nn.Module, batches, sample_rows: int = 0, seed: int = 0,
+                            progress: bool = True) -> dict[str, SmoothStats]:
     """One calibration loop observing each group's input; keyed by the first consumer's name.
 
     Export with observers.export_stats(result).
@@ -123,7 +102,7 @@ def collect_smoothing_stats(model: nn.Module, batches, sample_rows: int = 0, see
     modules = {name: block.get_submodule(g.consumers[0]) for name, block, g in smoothing_groups(model)}
     stats, remove = attach_input_observers(modules, lambda name: SmoothStats(sample_rows, seed, name))
     try:
-        run_calibration(model, batches, desc="smoothquant statistics")
+        run_calibration(model, batches, desc="smoothquant statistics", progress=progress)
     finally:
         remove()
     return stats
@@ -218,17 +197,18 @@ class SmoothQuant(Method):
     def prepare(self, model, config: SmoothQuantConfig) -> None:
         smoothing_groups(model)  # fail before any data is read for unsupported architectures
 
-    def calibrate(self, model, config: SmoothQuantConfig, batches) -> None:
+    def calibrate(self, model, config: SmoothQuantConfig, batches, progress: bool = True) -> dict | None:
         batches = batches if isinstance(batches, (list, tuple)) else list(batches)
         search = config.alpha == "search"
-        stats = collect_smoothing_stats(model, batches, SEARCH_ROWS if search else 0)  # float model
+        stats = collect_smoothing_stats(model, batches, SEARCH_ROWS if search else 0, progress=progress)  # float
         base_method = get_method(config.base)
         base_method.prepare(model, config.base)  # explicit groups (BERT) need the QuantLinear consumers
         chosen = smooth(model, stats, config.alpha, config.base)
         log.info("smoothquant: %d groups smoothed; alpha %s", len(chosen),
                  f"searched, mean {sum(chosen.values()) / max(len(chosen), 1):.2f}" if search else config.alpha)
         if needs_calibration(config.base):
-            base_method.calibrate(model, config.base, batches)
+            return base_method.calibrate(model, config.base, batches, progress)
+        return None
 
     def convert(self, model, config: SmoothQuantConfig) -> None:
         if not quant_linears(model):

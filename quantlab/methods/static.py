@@ -18,11 +18,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..activations import StaticActQuant, check_act_bits
-from ..api import quant_linears, run_calibration
-from ..observers import Observer, attach_input_observers, make_observer
-from ..registry import Method, get_method, register_method
-from .dynamic import as_weight_base, needs_calibration
+from ..core.activations import StaticActQuant, check_act_bits
+from ..core.lifecycle import quant_linears, run_calibration
+from ..core.observers import Observer, attach_input_observers, make_observer
+from ..core.registry import Method, as_weight_base, get_method, needs_calibration, register_method
 from .rtn import RTNConfig
 
 ACT_OBSERVERS = ("minmax", "moving_average", "percentile", "mse")
@@ -70,7 +69,7 @@ def observer_factory(config: StaticConfig) -> Callable[[str], Observer]:
 
 
 def observe_activations(
-    model: nn.Module, batches, factory: Callable[[str], Observer]
+    model: nn.Module, batches, factory: Callable[[str], Observer], progress: bool = True,
 ) -> dict[str, Observer]:
     """One calibration loop with an observer on what each QuantLinear's act_quant would see.
 
@@ -86,7 +85,7 @@ def observe_activations(
     try:
         observers, remove = attach_input_observers({n: m.act_quant for n, m in layers.items()}, factory)
         try:
-            run_calibration(model, batches, desc="observe activations")
+            run_calibration(model, batches, desc="observe activations", progress=progress)
         finally:
             remove()
     finally:
@@ -123,14 +122,16 @@ class Static(Method):
     def prepare(self, model, config: StaticConfig) -> None:
         get_method(config.base).prepare(model, config.base)
 
-    def calibrate(self, model, config: StaticConfig, batches) -> None:
+    def calibrate(self, model, config: StaticConfig, batches, progress: bool = True) -> dict | None:
         batches = batches if isinstance(batches, (list, tuple)) else list(batches)
+        diagnostics = None
         if needs_calibration(config.base):
-            get_method(config.base).calibrate(model, config.base, batches)
+            diagnostics = get_method(config.base).calibrate(model, config.base, batches, progress)
         # weights are final after the base's calibrate (fake-quant forward == frozen forward), so the
         # ranges observed here are those the converted model's activations will have
-        observers = observe_activations(model, batches, observer_factory(config))
+        observers = observe_activations(model, batches, observer_factory(config), progress)
         set_static_act_quant(model, observers, config.act_bits, config.act_symmetric)
+        return diagnostics
 
     def convert(self, model, config: StaticConfig) -> None:
         missing = [n for n, m in quant_linears(model).items() if not isinstance(m.act_quant, StaticActQuant)]

@@ -1,0 +1,143 @@
+"""`quantlab sensitivity` and `quantlab mixed`: argument parsing, then library calls.
+
+    quantlab sensitivity experiments/smollm2_mixed.toml --config '{method="rtn", bits=3, group_size=64, symmetric=false}'
+    quantlab sensitivity smollm2-135m --method rtn --bits 3 --group-size 64 --asym --granularity type
+    quantlab mixed experiments/smollm2_mixed.toml --target-bits 4.0 3.5
+"""
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+
+def _configs(args) -> list:
+    from ..core.registry import make_config
+
+    configs = []
+    for text in args.config or []:
+        try:
+            table = tomllib.loads(f"x = {text}")["x"]
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"--config {text!r} is not an inline TOML table like "
+                             f"'{{method=\"rtn\", bits=3, group_size=64}}': {e}") from None
+        configs.append(make_config(table))
+    if args.bits is not None or not configs:
+        spec = {"method": args.method, "bits": args.bits or 4, "symmetric": not args.asym}
+        if args.group_size:
+            spec["group_size"] = args.group_size
+        configs.append(make_config(spec))
+    return configs
+
+
+def _target(args):
+    """(model, dtype, name, eval dataset, seq_len) from an experiment file or a model name."""
+    from ..runs.experiment import load_experiment
+
+    if args.target.endswith(".toml"):
+        exp = load_experiment(args.target)
+        return exp.model, exp.dtype, args.name or exp.name, exp.eval.dataset, args.seq_len or exp.eval.seq_len
+    name = args.name or re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(args.target).name)
+    return args.target, "float32", name, "wikitext2", args.seq_len or 512
+
+
+def cmd_sensitivity(args) -> int:
+    from ..mixed.plot import with_ext, write_sensitivity
+    from ..mixed.sensitivity import sweep, validation_windows
+    from ..models.loading import load_model
+
+    configs = _configs(args)
+    model_name, dtype, name, dataset, seq_len = _target(args)
+    model, tok = load_model(model_name, dtype, args.device, args.cache_dir)
+    windows, source = validation_windows(tok, dataset, args.split, seq_len, args.windows, args.data_dir, args.cache_dir)
+    prefix = Path(args.reports_dir) / f"{name}.sensitivity"
+    suffix = "" if args.granularity == "layer" else f"_{args.granularity}"
+    prefix = prefix.with_name(prefix.name + suffix)
+    rows = sweep(model, configs, windows, args.granularity, with_ext(prefix, ".jsonl"), progress=not args.quiet)
+    for r in rows:
+        r.update(model=model_name, split=args.split, source=source, windows=len(windows), seq_len=seq_len)
+    df = write_sensitivity(rows, prefix)
+    print(f"wrote {prefix}.csv and .png ({len(df)} rows; cache {prefix}.jsonl)")
+    top = df.sort_values("kl_mean", ascending=False).head(10)
+    print(top[["unit", "candidate", "params", "kl_mean", "ppl"]].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    return 0
+
+
+def cmd_mixed(args) -> int:
+    import pandas as pd
+
+    from ..mixed.solver import mixed_run_table, plan_summary, solve_budget
+    from ..runs.experiment import load_experiment, parse_experiment
+    from ..runs.tomlwrite import dumps
+
+    exp = load_experiment(args.experiment)
+    sens = Path(args.sensitivity or Path(args.reports_dir) / f"{exp.name}.sensitivity.csv")
+    if not sens.exists():
+        raise FileNotFoundError(f"sensitivity file {str(sens)!r} does not exist; run `quantlab sensitivity "
+                                f"{args.experiment} ...` first")
+    rows = pd.read_csv(sens).to_dict("records")
+    for r in rows:  # pandas reads an empty group_size as NaN; the config column is the source of truth
+        r["candidate"] = str(r["candidate"])
+    if not args.target_bits and not args.target_mib:
+        raise ValueError("give --target-bits and/or --target-mib")
+    new_runs = []
+    for bits in args.target_bits:
+        plan = solve_budget(rows, target_bits=bits, metric=args.metric)
+        print(f"target {bits} bits/weight: {json.dumps(plan_summary(plan))}")
+        new_runs.append(mixed_run_table(f"{args.prefix}{bits:g}b", plan))
+    for mib in args.target_mib:
+        plan = solve_budget(rows, target_bytes=int(mib * 2**20), metric=args.metric)
+        print(f"target {mib} MiB: {json.dumps(plan_summary(plan))}")
+        new_runs.append(mixed_run_table(f"{args.prefix}{mib:g}mib", plan))
+    with open(args.experiment, "rb") as f:
+        data = tomllib.load(f)
+    names = {r["name"] for r in new_runs}
+    data["run"] = [r for r in data.get("run", []) if r["name"] not in names] + new_runs
+    header = _leading_comments(Path(args.experiment).read_text())
+    parse_experiment(data, where=args.experiment)  # validate before writing anything
+    text = header + dumps(data)  # the file's own tables as written (not defaults-compacted), plus the new runs
+    out = Path(args.out or args.experiment)
+    out.write_text(text)
+    load_experiment(out)  # what we wrote must load
+    print(f"wrote {out} ({len(data['run'])} runs); now: quantlab run {out}")
+    return 0
+
+
+def _leading_comments(text: str) -> str:
+    lines = []
+    for line in text.splitlines(keepends=True):
+        if not line.startswith("#"):
+            break
+        lines.append(line)
+    return "".join(lines)
+
+
+def add_commands(sub) -> None:
+    """Register the two subcommands on the main parser's subparsers."""
+    p = sub.add_parser("sensitivity", help="quantize one layer / type / block at a time; KL vs float on validation")
+    p.add_argument("target", help="an experiment .toml (model, dtype, eval dataset and seq_len) or a model name")
+    p.add_argument("--config", action="append", help="candidate as an inline TOML table (repeatable)")
+    p.add_argument("--method", default="rtn")
+    p.add_argument("--bits", type=int)
+    p.add_argument("--group-size", type=int, help="omit for per output channel")
+    p.add_argument("--asym", action="store_true", help="asymmetric (zero point)")
+    p.add_argument("--granularity", default="layer", choices=["layer", "type", "block"])
+    p.add_argument("--windows", type=int, default=2, help="validation windows (default 2)")
+    p.add_argument("--seq-len", type=int, help="window length (default: the experiment's eval.seq_len, else 512)")
+    p.add_argument("--split", default="validation", help="never 'test'")
+    p.add_argument("--name", help="output name (reports/<name>.sensitivity.*)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--reports-dir", default="reports")
+    p.set_defaults(func=cmd_sensitivity)
+    p = sub.add_parser("mixed", help="per-layer bits under a budget from sensitivity data -> [[run]]s in the experiment")
+    p.add_argument("experiment")
+    p.add_argument("--target-bits", type=float, nargs="+", default=[], help="average bits per weight (scales incl.)")
+    p.add_argument("--target-mib", type=float, nargs="+", default=[],
+                   help="size of the quantized layers (codes + scales + zeros) in MiB; runs are named <prefix><MiB>mib")
+    p.add_argument("--sensitivity", help="sensitivity CSV (default reports/<experiment name>.sensitivity.csv)")
+    p.add_argument("--metric", default="kl_mean")
+    p.add_argument("--prefix", default="mixed-", help="run name prefix; runs are named <prefix><bits>b")
+    p.add_argument("--out", help="experiment file to write (default: rewrite the input, comments at the top kept)")
+    p.add_argument("--reports-dir", default="reports")
+    p.set_defaults(func=cmd_mixed)

@@ -1,0 +1,61 @@
+"""`quantlab list`, `quantlab info`, `quantlab estimate`: methods and models, nothing quantized.
+
+    quantlab list
+    quantlab info smollm2-135m
+    quantlab estimate smollm2-135m --bits 4 --group-size 64 --seq-len 2048 --batch 8 --device-memory 2
+"""
+from __future__ import annotations
+
+import json
+
+
+def cmd_list(args) -> int:
+    from ..core.registry import config_fields, known_methods
+
+    for name in known_methods():
+        fields = ", ".join(f"{k}={v!r}" for k, v in config_fields(name).items())
+        print(f"{name:10s} {fields}")
+    return 0
+
+
+def cmd_info(args) -> int:
+    from ..models.loading import load_model, model_info
+
+    model, _ = load_model(args.model, "float32", "cpu", args.cache_dir)
+    info = model_info(model)
+    linears = info.pop("linear_layers")
+    info["linear_layer_count"] = len(linears)
+    print(json.dumps(info, indent=1))
+    for name in linears:
+        print(" ", name)
+    return 0
+
+
+def cmd_estimate(args) -> int:
+    from ..eval.estimate import estimate_memory, format_estimate
+
+    est = estimate_memory(args.model, bits=args.bits, group_size=args.group_size, seq_len=args.seq_len,
+                          batch=args.batch, dtype=args.dtype, symmetric=not args.asym, backend=args.backend,
+                          device=args.device, device_memory_gib=args.device_memory, cache_dir=args.cache_dir)
+    print(format_estimate(est))
+    return 0 if est.fits is not False else 2
+
+
+def add_commands(sub) -> None:
+    """Register list / info / estimate on the main parser's subparsers."""
+    sub.add_parser("list", help="registered methods and their config fields").set_defaults(func=cmd_list)
+    p = sub.add_parser("info", help="parameter count, tied embeddings and linear layers of a model")
+    p.add_argument("model")
+    p.set_defaults(func=cmd_info)
+    p = sub.add_parser("estimate", help="predict inference memory from the model config; does it fit?")
+    p.add_argument("model")
+    p.add_argument("--bits", type=int, help="weight bits of the decoder linears (omit for float)")
+    p.add_argument("--group-size", type=int, help="quantization group size (omit for per-channel)")
+    p.add_argument("--asym", action="store_true", help="asymmetric weights (a zero point per group)")
+    p.add_argument("--seq-len", type=int, default=2048, help="context: prompt + generated tokens")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="float32", help="dtype of the float parts and the KV cache")
+    p.add_argument("--backend", default="simulated", help="simulated | torchao (how scales are stored)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (framework overhead)")
+    p.add_argument("--device-memory", type=float, help="GiB available; prints fits / does not fit (exit 2)")
+    p.set_defaults(func=cmd_estimate)

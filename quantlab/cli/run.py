@@ -1,0 +1,74 @@
+"""`quantlab run`, `quantlab report`, `quantlab compare`: experiments and their reports.
+
+    quantlab run experiments/smollm2_quickstart.toml [--full] [--force]
+    quantlab report reports/smollm2_quickstart.results.jsonl [--out DIR]
+    quantlab compare A.csv B.csv [--out diff.md]
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+def cmd_run(args) -> int:
+    from ..runs.experiment import load_experiment
+    from ..runs.runner import run_experiment
+
+    exp = load_experiment(args.experiment)  # validates every run before any model loads
+    if args.full:
+        exp = dataclasses.replace(exp, name=f"{exp.name}_full", eval=exp.eval.unbounded())
+    if args.device:
+        exp = dataclasses.replace(exp, device=args.device)
+    df = run_experiment(exp, args.reports_dir, args.force, args.data_dir, args.cache_dir, progress=not args.quiet)
+    print(f"wrote {args.reports_dir}/{exp.name}.csv and .md ({len(df)} rows)")
+    cols = [c for c in ("run", "scheme", "ppl", "ppl_delta_pct", "kl_mean", "weight_mib", "bits_per_weight") if c in df]
+    print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from ..reporting.regenerate import regenerate_report
+    from ..runs.experiment import load_experiment
+
+    description = None
+    if args.experiment:  # supplies the description for results written before the sidecar existed
+        exp = load_experiment(args.experiment)
+        description = exp.description
+    df = regenerate_report(args.results, args.out, description)
+    name = os.path.basename(args.results).removesuffix(".results.jsonl")
+    print(f"wrote {os.path.join(args.out or os.path.dirname(args.results), name)}.csv, .md and plots ({len(df)} rows)")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from ..reporting.compare import compare_markdown, compare_reports
+
+    metrics = args.metrics.split(",") if args.metrics else None
+    text = compare_markdown(compare_reports(args.a, args.b, metrics), args.a, args.b)
+    print(text, end="")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+def add_commands(sub) -> None:
+    """Register run / report / compare on the main parser's subparsers."""
+    p = sub.add_parser("run", help="run an experiment file and write reports/<name>.csv/.md")
+    p.add_argument("experiment")
+    p.add_argument("--force", action="store_true", help="rerun runs already in the results file")
+    p.add_argument("--full", action="store_true", help="evaluate the whole test split (drops max_windows/max_tokens)")
+    p.add_argument("--device", help="override the experiment's device (auto, cpu, cuda)")
+    p.add_argument("--reports-dir", default="reports")
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser("report", help="regenerate CSV, Markdown and plots from a results file (runs nothing)")
+    p.add_argument("results", help="reports/<name>.results.jsonl")
+    p.add_argument("--out", help="output folder (default: beside the results file)")
+    p.add_argument("--experiment", help="experiment TOML whose description to use (results without a sidecar)")
+    p.set_defaults(func=cmd_report)
+    p = sub.add_parser("compare", help="diff two report CSVs run by run")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--metrics", help="comma-separated columns (default: the usual metrics both have)")
+    p.add_argument("--out", help="also write the comparison as Markdown here")
+    p.set_defaults(func=cmd_compare)

@@ -1,0 +1,118 @@
+"""The lifecycle every method shares: prepare -> calibrate -> convert.
+
+>>> model, tok = quantlab.load_model("smollm2-135m")
+>>> quantlab.quantize(model, quantlab.make_config({"method": "rtn", "bits": 4, "group_size": 64}))
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .overrides import LayerOverride, check_overrides_match, spec_for
+from .qlinear import QuantLinear, WeightSpec
+from .registry import LayerSelection, get_method
+
+
+def select_linears(model: nn.Module, selection: LayerSelection) -> list[tuple[str, nn.Linear]]:
+    """(name, module) of every nn.Linear whose name passes the include/exclude globs."""
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    chosen = [(n, m) for n, m in linears if selection.matches(n)]
+    if not chosen:
+        examples = ", ".join(n for n, _ in linears[:4]) or "none (model has no nn.Linear)"
+        raise ValueError(
+            f"include={list(selection.include)} exclude={list(selection.exclude)} matched no linear layer; "
+            f"linear names look like: {examples}"
+        )
+    return chosen
+
+
+def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def quant_linears(model: nn.Module) -> dict[str, QuantLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def swap_in_quant_linears(
+    model: nn.Module, selection: LayerSelection, spec: WeightSpec, overrides: tuple[LayerOverride, ...] = (),
+) -> list[str]:
+    """Replace selected nn.Linear modules by fake-quant QuantLinear (grid: spec + matching overrides);
+    returns their names. An override matching no selected layer is an error."""
+    chosen = select_linears(model, selection)
+    check_overrides_match(overrides, [n for n, _ in chosen])
+    for name, linear in chosen:
+        set_submodule(model, name, QuantLinear.from_linear(linear, spec_for(spec, overrides, name)))
+    return [n for n, _ in chosen]
+
+
+def freeze_all(model: nn.Module) -> None:
+    for layer in quant_linears(model).values():
+        layer.freeze()
+
+
+def run_calibration(model: nn.Module, batches: Iterable[torch.Tensor], desc: str = "calibrate",
+                    progress: bool = True) -> int:
+    """The single calibration loop: eval mode, no grad, one forward per batch.
+
+    Methods attach observers/hooks in prepare(); this only feeds data.
+    Returns the number of batches seen.
+    """
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    n = 0
+    with torch.inference_mode():
+        for batch in tqdm(batches, desc=desc, leave=False, disable=not progress):
+            model(batch.to(device))
+            n += 1
+    model.train(was_training)
+    if n == 0:
+        raise ValueError("calibration set is empty (0 batches)")
+    return n
+
+
+def quantize(
+    model: nn.Module, config: Any, calibration: Iterable[torch.Tensor] | None = None,
+    training: Any = None, teacher: nn.Module | None = None, checkpoint_dir: Any = None, progress: bool = True,
+) -> dict:
+    """Quantize `model` in place with `config`; returns a small summary dict.
+
+    Runs method.prepare, method.calibrate (when the method needs data), method.train
+    (QAT: `training` token windows, `teacher` for distillation, resumable from
+    `checkpoint_dir`) and method.convert. `calibration` is an iterable of (1, T) token-id tensors.
+    summary["diagnostics"] holds what calibrate() reported (e.g. AWQ's chosen α); progress=False
+    silences every progress bar.
+    """
+    method = get_method(config)
+    t0 = time.perf_counter()
+    method.prepare(model, config)
+    t1 = time.perf_counter()
+    diagnostics = {}
+    if method.needs_calibration_for(config):
+        if calibration is None:
+            raise ValueError(f"method {method.name!r} needs calibration data; pass calibration=[...]")
+        diagnostics = method.calibrate(model, config, calibration, progress=progress) or {}
+    t2 = time.perf_counter()
+    train_stats = {}
+    if method.needs_training_for(config):
+        if training is None:
+            raise ValueError(f"method {method.name!r} trains; pass training=[...] token windows (never the test split)")
+        train_stats = method.train(model, config, training, teacher, checkpoint_dir, progress)
+    t2b = time.perf_counter()
+    method.convert(model, config)
+    t3 = time.perf_counter()
+    return {**train_stats,
+        "diagnostics": diagnostics,
+        "method": method.name,
+        "quantized_layers": len(quant_linears(model)),
+        "prepare_s": t1 - t0,
+        "calibrate_s": t2 - t1,
+        "convert_s": t3 - t2b,
+        "quantize_s": t3 - t0,
+    }

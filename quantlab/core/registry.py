@@ -1,0 +1,200 @@
+"""The method registry: a name and a frozen config class joined to a Method.
+
+Loud by design: unknown or duplicate names fail, listing the known ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+_METHODS: dict[str, "Method"] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSelection:
+    """Which linears a method touches, by module-name globs (fnmatch)."""
+
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ("lm_head",)
+
+    def __post_init__(self):
+        for field in ("include", "exclude"):
+            value = getattr(self, field)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{field} must be a list of name globs, got {value!r}")
+            object.__setattr__(self, field, tuple(value))
+
+    def matches(self, name: str) -> bool:
+        hit = any(fnmatch.fnmatchcase(name, p) for p in self.include)
+        return hit and not any(fnmatch.fnmatchcase(name, p) for p in self.exclude)
+
+
+class Method:
+    """One quantization method: prepare -> calibrate -> (train) -> convert.
+
+    Subclasses set `name`, `config_cls` and `needs_calibration`, and override
+    the phases they need. Each phase mutates the model in place.
+    """
+
+    name: str = ""
+    config_cls: type = object
+    needs_calibration: bool = False
+
+    def needs_calibration_for(self, config: Any) -> bool:
+        """Whether this config needs calibration data (methods built on a base defer to it)."""
+        return self.needs_calibration
+
+    def prepare(self, model: nn.Module, config: Any) -> None:
+        pass
+
+    def calibrate(self, model: nn.Module, config: Any, batches: Iterable[torch.Tensor],
+                  progress: bool = True) -> dict | None:
+        """Use the calibration batches; may return diagnostics for the row (keys prefixed with the method's
+        name, e.g. {"gptq_damp_max": 0.01}). progress=False silences every progress bar."""
+        return None
+
+    def convert(self, model: nn.Module, config: Any) -> None:
+        pass
+
+    def needs_training_for(self, config: Any) -> bool:
+        """Whether this config has a train phase (QAT) between calibrate and convert."""
+        return False
+
+    def needs_teacher_for(self, config: Any) -> bool:
+        """Whether train() needs the unquantized model (distillation)."""
+        return False
+
+    def train(self, model: nn.Module, config: Any, data: Any, teacher: nn.Module | None = None,
+              checkpoint_dir: Any = None, progress: bool = True) -> dict:
+        """Fine-tune the prepared, calibrated model in place; returns train_* stats for the row."""
+        return {}
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+    """Class decorator: make a Method available by its `name`."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in _METHODS:
+        raise ValueError(f"method {cls.name!r} is already registered")
+    _METHODS[cls.name] = cls()
+    return cls
+
+
+def known_methods() -> list[str]:
+    return sorted(_METHODS)
+
+
+def get_method(name_or_config: Any) -> Method:
+    """Look a method up by name or by an instance of its config class."""
+    if isinstance(name_or_config, str):
+        if name_or_config not in _METHODS:
+            raise KeyError(f"unknown method {name_or_config!r}; known: {', '.join(known_methods())}")
+        return _METHODS[name_or_config]
+    for method in _METHODS.values():
+        if type(name_or_config) is method.config_cls:
+            return method
+    raise KeyError(f"no method registered for config {type(name_or_config).__name__}; known: {', '.join(known_methods())}")
+
+
+def field_defaults(cls) -> dict[str, Any]:
+    """Field name -> default of a dataclass, for the fields that have one (factories called)."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def non_default_fields(obj) -> dict:
+    """A dataclass's fields that differ from their defaults (nested dataclasses likewise), as plain data.
+
+    Run keys hash this, so adding a field with a default to a config or protocol never
+    changes the key of a run that does not set it (finished rows stay finished).
+    """
+    out, defaults = {}, field_defaults(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.name in defaults and value == defaults[f.name]:
+            continue
+        out[f.name] = non_default_fields(value) if dataclasses.is_dataclass(value) else value
+    return out
+
+
+def config_fields(method_name: str) -> dict[str, Any]:
+    """Field name -> default for a method's config (None when required; for `quantlab list`)."""
+    cls = get_method(method_name).config_cls
+    defaults = field_defaults(cls)
+    return {f.name: defaults.get(f.name) for f in dataclasses.fields(cls)}
+
+
+def make_config(spec: dict[str, Any]) -> Any:
+    """Build a validated config from a plain dict with a 'method' key.
+
+    >>> make_config({"method": "rtn", "bits": 4, "group_size": 64})
+    """
+    spec = dict(spec)
+    if "method" not in spec:
+        raise ValueError(f"config has no 'method' key; known methods: {', '.join(known_methods())}")
+    method = get_method(spec.pop("method"))
+    fields = {f.name for f in dataclasses.fields(method.config_cls)}
+    unknown = sorted(set(spec) - fields)
+    if unknown:
+        raise ValueError(
+            f"unknown config key(s) {', '.join(map(repr, unknown))} for method {method.name!r}; "
+            f"valid: {', '.join(sorted(fields))}"
+        )
+    return method.config_cls(**spec)
+
+
+def as_config(value: Any, field: str = "base") -> Any:
+    """A nested config given as a dict (from TOML) or as a config object -> config object.
+
+    For methods built on other methods: SmoothQuantConfig(base={"method": "dynamic", ...}).
+    """
+    if isinstance(value, dict):
+        try:
+            return make_config(value)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"{field}: {e.args[0] if e.args else e}") from None
+    get_method(value)  # raises for a non-config
+    return value
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """Inverse of make_config: plain, TOML/JSON-friendly dict (tuples become lists, nested configs dicts)."""
+    d = {"method": get_method(config).name}
+    for f in dataclasses.fields(config):
+        v = getattr(config, f.name)
+        if isinstance(v, tuple):  # items with to_dict (per-layer overrides) become plain tables
+            v = [x.to_dict() if hasattr(x, "to_dict") else x for x in v]
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            v = config_to_dict(v)
+        d[f.name] = v
+    return d
+
+
+# ---- helpers for methods built on other methods -------------------------------------------
+
+def quantizes_activations(method: Method) -> bool:
+    return getattr(method, "quantizes_activations", False)
+
+
+def needs_calibration(config: Any) -> bool:
+    """Whether `config` needs calibration data (its method may defer to its own base)."""
+    return get_method(config).needs_calibration_for(config)
+
+
+def as_weight_base(value: Any, owner: str) -> Any:
+    """A weight-only base config (dict from TOML or config object), or a ValueError listing the valid methods."""
+    config = as_config(value, "base")
+    method = get_method(config)
+    if method.name == "none" or quantizes_activations(method):
+        valid = [m for m in known_methods() if m != "none" and not quantizes_activations(get_method(m))]
+        raise ValueError(f"{owner}: base must be a weight quantization method ({', '.join(valid)}), got {method.name!r}")
+    return config

@@ -1,0 +1,1 @@
+"""Per-layer sensitivity, the mixed-precision solver under a budget, and the sensitivity plot."""

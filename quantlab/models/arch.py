@@ -1,0 +1,103 @@
+"""Architecture facts in one table keyed by config.model_type.
+
+For smoothing methods (SmoothQuant, AWQ): which module's output feeds which
+linears inside a decoder/encoder block, so a per-channel scale s can be folded
+into the producer (output channels / s) and the consumers (input columns * s)
+leaving the float model unchanged. Names are relative to one block.
+
+`producer=None` means there is no foldable producer inside the block (e.g. a
+post-LN BERT block, whose LayerNorm output also feeds the residual): a method
+then applies the scale explicitly at the consumers' input (QuantLinear.input_scale).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ScaleGroup:
+    producer: str | None  # norm or linear whose output channels are the consumers' input channels
+    consumers: tuple[str, ...]  # linears sharing that input
+    kind: str = "norm"  # "norm" (weight[, bias] per channel), "linear" (out rows), "explicit"
+    # AWQ judges a scale by the output of this module (llm-awq's module2inspect): the attention or MLP
+    # module the consumers sit in; None = the consumers' own output (one consumer: the reference's default)
+    inspect: str | None = None
+    # what the consumers read: a normalization's output ("norm": SmoothQuant's groups) or a linear's output,
+    # possibly through an activation ("linear": v -> o, up -> down, fc1 -> fc2; SmoothQuant's option)
+    input_from: str = "norm"
+
+    def __post_init__(self):
+        if self.kind not in ("norm", "linear", "explicit"):
+            raise ValueError(f"ScaleGroup kind {self.kind!r} unknown; known: norm, linear, explicit")
+        if self.input_from not in ("norm", "linear"):
+            raise ValueError(f"ScaleGroup input_from {self.input_from!r} unknown; known: norm, linear")
+
+
+_LLAMA = (
+    ScaleGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), inspect="self_attn"),
+    # only when v and o shapes match (no GQA)
+    ScaleGroup("self_attn.v_proj", ("self_attn.o_proj",), "linear", input_from="linear"),
+    ScaleGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), inspect="mlp"),
+    # gate(x) * up(x): scaling up's rows scales down's input
+    ScaleGroup("mlp.up_proj", ("mlp.down_proj",), "linear", input_from="linear"),
+)
+
+ARCH: dict[str, dict] = {
+    "llama": {"blocks": "model.layers", "groups": _LLAMA},
+    "mistral": {"blocks": "model.layers", "groups": _LLAMA},
+    "qwen2": {"blocks": "model.layers", "groups": _LLAMA},
+    "opt": {
+        "blocks": "model.decoder.layers",
+        "groups": (
+            ScaleGroup("self_attn_layer_norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                       inspect="self_attn"),
+            ScaleGroup("self_attn.v_proj", ("self_attn.out_proj",), "linear", input_from="linear"),
+            ScaleGroup("final_layer_norm", ("fc1",)),
+            ScaleGroup("fc1", ("fc2",), "linear", input_from="linear"),  # ReLU(x / s) = ReLU(x) / s for s > 0
+        ),
+    },
+    "bert": {
+        "blocks": "encoder.layer",
+        "groups": (
+            # post-LN: the LayerNorm output also feeds the residual, so scales stay explicit at the consumers
+            ScaleGroup(None, ("attention.self.query", "attention.self.key", "attention.self.value"), "explicit",
+                       inspect="attention.self"),
+            ScaleGroup("attention.self.value", ("attention.output.dense",), "linear", input_from="linear"),
+            ScaleGroup(None, ("intermediate.dense",), "explicit", inspect="intermediate"),
+            # GELU in between: not foldable into intermediate
+            ScaleGroup(None, ("output.dense",), "explicit", input_from="linear"),
+        ),
+    },
+}
+
+
+def arch_for(model: nn.Module) -> dict:
+    """The table entry for model.config.model_type, or an error listing the supported ones."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in ARCH:
+        raise ValueError(f"model_type {model_type!r} has no architecture entry; supported: {', '.join(sorted(ARCH))}")
+    return ARCH[model_type]
+
+
+def find_blocks(model: nn.Module) -> nn.ModuleList:
+    """The repeated transformer blocks (decoder or encoder layers).
+
+    Known model types use the table; otherwise the first ModuleList whose length is
+    config.num_hidden_layers.
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in ARCH:
+        path = ARCH[model_type]["blocks"]
+        candidates = [path, path.removeprefix("model."), f"{model.base_model_prefix}.{path}"]
+        for candidate in candidates:  # a CausalLM nests the base model; a bare base model does not
+            try:
+                return model.get_submodule(candidate)
+            except AttributeError:
+                continue
+    n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    for _, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) == n:
+            return m
+    raise ValueError(f"cannot find the transformer blocks of {type(model).__name__} (model_type {model_type!r})")

@@ -1,0 +1,135 @@
+"""Evaluation and calibration text: WikiText-2 (local files or the hub) or any text file.
+
+Protocol (stated in every row): the test split's rows joined with "\\n\\n" (the
+GPTQ-paper string), tokenized once without special tokens (no BOS), cut into
+non-overlapping windows. Calibration draws seeded random windows from the
+validation split — never the test split.
+
+>>> ids, source = load_token_ids("wikitext2", "test", tokenizer)
+>>> windows = eval_windows(ids, seq_len=512, max_windows=16)     # (16, 512)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DATASETS = ("wikitext2",)
+SPLITS = ("test", "validation")
+JOIN = "\n\n"
+_WIKITEXT_FILES = {"test": "wiki.test.rows.jsonl", "validation": "wiki.valid.tokens"}
+
+
+def candidate_data_dirs() -> list[Path]:
+    """Known places for wikitext-2 files: ../shared/data beside the repo or the working dir."""
+    repo = Path(__file__).resolve().parents[2]
+    return [repo.parent / "shared" / "data" / "wikitext-2", Path.cwd().parent / "shared" / "data" / "wikitext-2"]
+
+
+def find_wikitext2_dir(data_dir: str | Path | None = None) -> Path | None:
+    """The directory holding the wikitext-2 files, or None (then the hub is tried)."""
+    if data_dir is not None:
+        path = Path(data_dir)
+        if not path.is_dir():
+            raise FileNotFoundError(f"data directory {str(path)!r} does not exist")
+        missing = [f for f in _WIKITEXT_FILES.values() if not (path / f).exists()]
+        if missing:
+            raise FileNotFoundError(f"data directory {str(path)!r} lacks {', '.join(missing)}")
+        return path
+    return next((p for p in candidate_data_dirs() if (p / _WIKITEXT_FILES["test"]).exists()), None)
+
+
+def _hub_text(split: str) -> str:
+    try:
+        from datasets import load_dataset
+
+        rows = load_dataset("wikitext", "wikitext-2-raw-v1", split=split)["text"]
+    except Exception as e:  # offline, no cache: say where the local files should be
+        raise FileNotFoundError(
+            f"wikitext2 {split!r} split: no local files found (looked in "
+            f"{', '.join(str(p) for p in candidate_data_dirs())}) and the hub is unreachable ({e.__class__.__name__}). "
+            "Pass --data-dir or set QUANTLAB_DATA_DIR to a directory with wiki.test.rows.jsonl and wiki.valid.tokens."
+        ) from e
+    return JOIN.join(rows)
+
+
+def load_text(dataset: str, split: str, data_dir: str | Path | None = None) -> tuple[str, str]:
+    """(text, source description). dataset is 'wikitext2' or a path to a UTF-8 text file."""
+    if dataset not in DATASETS:
+        path = Path(dataset)
+        if not path.is_file():
+            raise FileNotFoundError(f"dataset {dataset!r} is neither a known dataset ({', '.join(DATASETS)}) nor a file")
+        text = path.read_text(encoding="utf-8")
+        return text, f"file:{path.name}"
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
+    local = find_wikitext2_dir(data_dir)
+    if local is None:
+        return _hub_text(split), f"hub:wikitext-2-raw-v1/{split}"
+    path = local / _WIKITEXT_FILES[split]
+    if split == "test":
+        with path.open(encoding="utf-8") as f:
+            rows = [json.loads(line)["text"] for line in f]
+        return JOIN.join(rows), f"local:{path.name} rows joined with \\n\\n"
+    return path.read_text(encoding="utf-8"), f"local:{path.name}"
+
+
+def _tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    ident = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def tokenize(text: str, tokenizer, cache_dir: str | Path | None = None) -> torch.Tensor:
+    """Token ids (N,) without special tokens; cached on disk as .npy when cache_dir is given."""
+    cache = None
+    if cache_dir is not None:
+        key = hashlib.sha256(text.encode()).hexdigest()[:16] + "-" + _tokenizer_fingerprint(tokenizer)
+        cache = Path(cache_dir) / "tokens" / f"{key}.npy"
+        if cache.exists():
+            return torch.from_numpy(np.load(cache, allow_pickle=False)).long()
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    arr = np.asarray(ids, dtype=np.int64)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp.npy")
+        np.save(tmp, arr, allow_pickle=False)
+        tmp.replace(cache)
+    return torch.from_numpy(arr)
+
+
+def load_token_ids(dataset: str, split: str, tokenizer, data_dir=None, cache_dir=None) -> tuple[torch.Tensor, str]:
+    text, source = load_text(dataset, split, data_dir)
+    if not text.strip():
+        raise ValueError(f"dataset {dataset!r} split {split!r} is empty")
+    return tokenize(text, tokenizer, cache_dir), source
+
+
+def eval_windows(
+    ids: torch.Tensor, seq_len: int, max_windows: int | None = None, max_tokens: int | None = None
+) -> torch.Tensor:
+    """Non-overlapping (n, seq_len) windows from the start; the ragged tail is dropped (GPTQ protocol)."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    n = ids.numel() // seq_len
+    if n == 0:
+        raise ValueError(f"text has {ids.numel()} tokens, fewer than one window of seq_len={seq_len}")
+    if max_windows is not None:
+        n = min(n, max_windows)
+    if max_tokens is not None:
+        n = min(n, max(1, max_tokens // seq_len))
+    return ids[: n * seq_len].view(n, seq_len)
+
+
+def calibration_windows(ids: torch.Tensor, num_samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """(num_samples, seq_len) windows at seeded random offsets (with replacement, GPTQ-style)."""
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if ids.numel() <= seq_len:
+        raise ValueError(f"calibration text has {ids.numel()} tokens; samples of seq_len={seq_len} need more")
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - seq_len, (num_samples,), generator=gen)
+    return torch.stack([ids[s : s + seq_len] for s in starts.tolist()])

@@ -1,0 +1,2 @@
+"""Reports from result rows: CSV + Markdown (report), rebuilding them (regenerate), diffs (compare),
+bootstrap intervals (stats) and plots."""

@@ -1,0 +1,322 @@
+"""Rows -> pandas -> CSV + Markdown (+ plots), with a baseline row, ratio columns and intervals.
+
+Ratios are against the first row whose method is 'none' (the unquantized model). Everything
+here depends only on the result rows (and the description), so `quantlab report` regenerates
+a run's report byte for byte from its results file (see regenerate.py).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from . import stats
+
+# (column, header, format) shown in the Markdown table; the CSV keeps every column.
+TABLE_COLUMNS = [
+    ("run", "run", "{}"),
+    ("scheme", "scheme", "{}"),
+    ("backend", "backend", "{}"),
+    ("ppl", "ppl ↓", "{:.3f}"),
+    ("ppl_ci", "ppl 95% CI", "{}"),
+    ("ppl_delta_pct", "Δppl %", "{:+.2f}"),
+    ("ppl_delta_ci", "Δppl % 95% CI (paired)", "{}"),
+    ("kl_mean", "KL ↓", "{:.5f}"),
+    ("top1_agree", "top-1 ↑", "{:.4f}"),
+    ("cos_mean", "cos mean ↑", "{:.5f}"),
+    ("cos_p5", "cos p5 ↑", "{:.5f}"),
+    ("layer_rel_err_mean", "layer rel err mean ↓", "{:.4f}"),
+    ("layer_rel_err_max", "layer rel err max ↓", "{:.4f}"),
+    ("weight_mib", "weights MiB", "{:.1f}"),
+    ("weight_ratio", "× weights", "{:.3f}"),
+    ("bits_per_weight", "bits/w (quantized layers)", "{:.3f}"),
+    ("prefill_ms_p50", "prefill ms p50", "{:.1f}"),
+    ("decode_ms_per_token_p50", "decode ms/tok p50", "{:.1f}"),
+    ("decode_speedup", "× decode speed", "{:.2f}"),
+    ("prefill_speedup", "× prefill speed", "{:.2f}"),
+    ("calibrate_s", "calibrate s", "{:.1f}"),
+    ("train_steps", "train steps", "{:.0f}"),
+    ("train_tokens", "train tokens", "{:.0f}"),
+    ("train_loss_final", "train loss final", "{:.4f}"),
+    ("train_s", "train s", "{:.1f}"),
+    ("train_dtype", "train dtype", "{}"),
+]
+# the best value of these columns (among the quantized runs) is bold in the Markdown table
+LOWER_IS_BETTER = {"ppl", "ppl_delta_pct", "kl_mean", "layer_rel_err_mean", "layer_rel_err_max", "weight_mib",
+                   "weight_ratio", "bits_per_weight", "prefill_ms_p50", "decode_ms_per_token_p50"}
+HIGHER_IS_BETTER = {"top1_agree", "cos_mean", "cos_p5", "decode_speedup", "prefill_speedup"}
+SEED_METRICS = ["ppl", "ppl_delta_pct", "kl_mean", "top1_agree", "cos_mean", "cos_p5"]  # mean ± std over seeds
+PLOTS = [("ppl_vs_weight_bytes", "weight_bytes", "perplexity vs weight size"),
+         ("ppl_vs_decode_latency", "decode_ms_per_token_p50", "perplexity vs decode latency")]
+
+
+def scheme(cfg: dict, dtype: str) -> str:
+    """Short description of what a run quantizes: "w4 g64 asym", "w8 channel sym + a8 dynamic", ..."""
+    if "bits" in cfg:
+        g = "channel" if cfg.get("group_size") is None else f"g{cfg['group_size']}"
+        text = f"w{cfg['bits']} {g} {'sym' if cfg.get('symmetric', True) else 'asym'}"
+        if cfg.get("overrides"):  # per-layer grids (quantlab.core.overrides): the base grid is not the whole story
+            text += f" + {len(cfg['overrides'])} overrides"
+    elif isinstance(cfg.get("base"), dict):
+        text = scheme(cfg["base"], dtype)
+    else:
+        return dtype
+    if cfg["method"] == "qat":
+        text += f" + QAT {'LSQ' if cfg.get('learn_scales', True) else 'STE'}"
+    if "act_bits" in cfg:
+        kind = "dynamic" if cfg["method"] == "dynamic" else f"static {cfg.get('act_granularity', '')} {cfg.get('observer', '')}"
+        text += f" + a{cfg['act_bits']} {kind.strip()}"
+    return text
+
+
+def add_ratios(df: pd.DataFrame) -> pd.DataFrame:
+    """Add ppl_delta_pct, weight_ratio, prefill_speedup, decode_speedup vs the baseline row."""
+    df = df.copy()
+    base = df[df["method"] == "none"]
+    if base.empty:
+        for c in ("ppl_delta_pct", "weight_ratio", "prefill_speedup", "decode_speedup"):
+            df[c] = float("nan")
+        return df
+    b = base.iloc[0]
+    if "ppl" in df:
+        df["ppl_delta_pct"] = (df["ppl"] / b["ppl"] - 1) * 100
+    df["weight_ratio"] = df["weight_bytes"] / b["weight_bytes"]
+    for phase, col in (("prefill", "prefill_ms_p50"), ("decode", "decode_ms_per_token_p50")):
+        df[f"{phase}_speedup"] = b[col] / df[col] if col in df else float("nan")
+    return df
+
+
+def _fmt(value, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "–"
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def _window_lists(row) -> tuple[list, list] | None:
+    nll, tokens = row.get("window_nll"), row.get("window_tokens")
+    if not isinstance(nll, str) or not isinstance(tokens, str):
+        return None
+    return json.loads(nll), json.loads(tokens)
+
+
+def add_intervals(df: pd.DataFrame) -> pd.DataFrame:
+    """Add ppl_ci_low/high (bootstrap over windows) and ppl_delta_ci_low/high + ppl_delta_excludes_zero
+    (paired with the baseline), from the rows' stored window_nll. Rows without it get no columns."""
+    if "window_nll" not in df or df["window_nll"].isna().all():
+        return df
+    df = df.copy()
+    windows = [_window_lists(r) for _, r in df.iterrows()]
+    base = next((w for w, m in zip(windows, df["method"]) if m == "none"), None)
+    out = {c: [float("nan")] * len(df) for c in ("ppl_ci_low", "ppl_ci_high", "ppl_delta_ci_low", "ppl_delta_ci_high")}
+    excludes = [None] * len(df)
+    for i, w in enumerate(windows):
+        if w is None:
+            continue
+        out["ppl_ci_low"][i], out["ppl_ci_high"][i] = stats.ppl_interval(*w)
+        if base is not None and base[1] == w[1]:  # paired only on the very same windows
+            d = stats.paired_delta_interval(w[0], base[0], w[1])
+            out["ppl_delta_ci_low"][i], out["ppl_delta_ci_high"][i], excludes[i] = d["low"], d["high"], d["excludes_zero"]
+    for c, v in out.items():
+        df[c] = v
+    df["ppl_delta_excludes_zero"] = excludes
+    return df
+
+
+def summarize_seeds(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """One row per run group: runs repeated over seeds become their mean, with `<metric>_std` and n_seeds.
+
+    Returns (summary, per-seed rows) — per-seed rows is None when no run was repeated.
+    """
+    groups = df["run_group"].fillna(df["run"]) if "run_group" in df else df["run"]
+    if not groups.duplicated().any():
+        return df, None
+    rows = []
+    for group, g in df.groupby(groups, sort=False):
+        if len(g) == 1:
+            rows.append(g.iloc[0])
+            continue
+        row = g.iloc[0].copy()
+        for c in df.columns:
+            if pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c]):
+                row[c] = g[c].mean()
+        for m in SEED_METRICS:
+            if m in g:
+                row[f"{m}_std"] = stats.mean_std(g[m])[1]
+        for c in ("ppl_ci_low", "ppl_ci_high", "ppl_delta_ci_low", "ppl_delta_ci_high", "ppl_delta_excludes_zero"):
+            if c in row:  # window intervals belong to single runs; the seed spread is the ± std
+                row[c] = None
+        row["run"], row["n_seeds"], row["seed"] = group, len(g), ", ".join(str(s) for s in g["seed"])
+        rows.append(row)
+    return pd.DataFrame(rows).reset_index(drop=True), df[groups.duplicated(keep=False)]
+
+
+def _interval(row, low: str, high: str, fmt: str) -> str | None:
+    lo, hi = row.get(low), row.get(high)
+    if lo is None or hi is None or lo != lo or hi != hi:
+        return None
+    return f"[{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def _cell(row, col: str, fmt: str) -> str:
+    if col == "ppl_ci":
+        return _interval(row, "ppl_ci_low", "ppl_ci_high", "{:.2f}") or "–"
+    if col == "ppl_delta_ci":
+        text = _interval(row, "ppl_delta_ci_low", "ppl_delta_ci_high", "{:+.2f}")
+        excludes = row.get("ppl_delta_excludes_zero")  # True, numpy True (via a DataFrame), None or NaN
+        return "–" if text is None else text + (" ✓" if excludes is not None and excludes == True else "")  # noqa: E712
+    text = _fmt(row[col], fmt)
+    std = row.get(f"{col}_std")
+    if std is not None and std == std and text != "–":
+        text += " ± " + _fmt(std, fmt.replace("+", ""))
+    return text
+
+
+def _shown(df: pd.DataFrame, col: str) -> bool:
+    source = {"ppl_ci": "ppl_ci_low", "ppl_delta_ci": "ppl_delta_ci_low"}.get(col, col)
+    return source in df.columns and df[source].notna().any()
+
+
+def _best(df: pd.DataFrame, col: str, fmt: str) -> str | None:
+    """The formatted best value of a column among the non-baseline rows (ties all count)."""
+    if col not in LOWER_IS_BETTER | HIGHER_IS_BETTER:
+        return None
+    values = pd.to_numeric(df.loc[df["method"] != "none", col], errors="coerce").dropna()
+    if values.empty:
+        return None
+    return _fmt(values.min() if col in LOWER_IS_BETTER else values.max(), fmt)
+
+
+def markdown_table(df: pd.DataFrame, columns=TABLE_COLUMNS, mark_best: bool = False) -> str:
+    """A Markdown table of the columns that have values; mark_best bolds each column's best quantized run."""
+    cols = [c for c in columns if _shown(df, c[0])]
+    best = {c: _best(df, c, f) for c, _, f in cols} if mark_best and "method" in df else {}
+    lines = ["| " + " | ".join(h for _, h, _ in cols) + " |", "|" + "---|" * len(cols)]
+    for _, row in df.iterrows():
+        cells = []
+        for c, _, f in cols:
+            text = _cell(row, c, f)
+            is_best = best.get(c) is not None and row.get("method") != "none" and _fmt(row[c], f) == best[c]
+            cells.append(f"**{text}**" if is_best else text)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def intervals_text(df: pd.DataFrame) -> str:
+    if "ppl" not in df:
+        return ""
+    if "ppl_ci_low" not in df or df["ppl_ci_low"].isna().all():
+        return ("**Intervals.** These rows carry no per-window NLL (they were recorded before quantlab stored it), "
+                "so no confidence intervals are shown; rerunning the experiment with `--force` adds them.")
+    n = int(df["eval_windows"].dropna().iloc[0])
+    return (f"**Intervals.** 95% percentile bootstrap over the {n} evaluation windows ({stats.RESAMPLES} resamples, "
+            f"seed {stats.SEED}). Δppl % intervals are paired: run and baseline are resampled on the same windows, "
+            "so the difficulty they share cancels; ✓ marks an interval that excludes 0. They measure the noise of "
+            "this token budget's window sample, not of calibration seeds (that is the ± std where runs repeat).")
+
+
+def protocol_text(df: pd.DataFrame) -> str:
+    r = df.iloc[0]
+    if r.get("eval_metric") == "embedding":
+        text = (
+            f"**Protocol.** Embedding fidelity on {r['eval_dataset']} `{r['eval_split']}` ({r['eval_source']}): "
+            f"the first {int(r['sentences'])} sentences (≥ 6 words, headings skipped), at most {int(r['max_length'])} "
+            "tokens each, mean-pooled last hidden states; cosine similarity to the baseline's embedding per "
+            "sentence (mean and 5th percentile). Layer rel err: ‖y − y_ref‖/‖y_ref‖ of each quantized linear's "
+            "output, both models run end to end on the first 32 sentences."
+        )
+        if "prefill_tokens" in df and pd.notna(r.get("prefill_tokens")):
+            text += f" Latency: one forward of {int(r['prefill_tokens'])} tokens, median of {int(r['latency_repeats'])} repeats."
+        return text + _calibration_text(df)
+    text = (
+        f"**Protocol.** Perplexity on {r['eval_dataset']} `{r['eval_split']}` ({r['eval_source']}), "
+        f"BOS: {r['bos']}, {int(r['eval_windows'])} non-overlapping windows of seq_len {int(r['seq_len'])} "
+        f"= {int(r['eval_tokens'])} tokens ({int(r['predicted_tokens'])} predicted) from the start of the split."
+    )
+    if r.get("kl_tokens"):
+        text += f" KL(baseline ‖ run) and top-1 agreement over the first {int(r['kl_tokens'])} tokens."
+    if "prefill_tokens" in df and pd.notna(r.get("prefill_tokens")):
+        text += (f" Latency: prefill {int(r['prefill_tokens'])} tokens, greedy decode {int(r['decode_tokens'])} "
+                 f"tokens, batch {int(r['batch_size'])}, median of {int(r['latency_repeats'])} repeats after warm-up.")
+    return text + _calibration_text(df)
+
+
+def _calibration_text(df: pd.DataFrame) -> str:
+    if "calib_samples" not in df or df["calib_samples"].isna().all():
+        return ""
+    r = df[df["calib_samples"].notna()].iloc[0]
+    return (f" Calibration (methods that use data): {int(r['calib_samples'])} windows of {int(r['calib_seq_len'])} "
+            f"tokens at seeded random offsets of {r['calib_source']} (never the test split).")
+
+
+def environment_text(df: pd.DataFrame) -> str:
+    keys = ["model", "dtype", "seed", "device_name", "cpu_threads", "torch", "transformers", "torchao", "quantlab",
+            "python", "git_sha"]
+    parts = []
+    for k in (k for k in keys if k in df.columns):
+        values = list(dict.fromkeys(_fmt(v, "{}") for v in df[k] if v is not None and v == v))
+        if k == "cpu_threads":
+            values = [str(int(float(v))) for v in values]
+        if values:
+            parts.append(f"{k} " + ", ".join(f"`{v}`" for v in values))
+    return "**Environment.** " + ", ".join(parts)
+
+
+def backend_text(df: pd.DataFrame) -> str:
+    backends = ", ".join(f"`{b}`" for b in df["backend"].unique())
+    text = (f"**Backend.** {backends}. Simulated rows hold real integer codes (weight bytes are real) "
+            "but dequantize them in PyTorch each forward, so their latency is not a low-bit kernel's.")
+    if df["backend"].astype(str).str.startswith("torchao").any():
+        text += (" `torchao` rows were exported from the same codes to torchao kernels (`backend_kernels`); their "
+                 "latency and memory are real; `export_parity_*` columns hold the kernel-vs-simulated check.")
+    return text
+
+
+def plots_text(name: str, summary: pd.DataFrame, reports_dir: Path) -> str:
+    """Draw every plot the rows have data for (<name>.<plot>.png + .csv) and return their Markdown."""
+    from . import plots  # matplotlib loads only when a report is written
+
+    lines = []
+    for slug, x, title in PLOTS:
+        if plots.usable_points(summary, x, "ppl").empty:
+            continue
+        getattr(plots, f"plot_{slug}")(summary, reports_dir / f"{name}.{slug}.png")
+        lines.append(f"![{title}]({name}.{slug}.png)\n\n*{title.capitalize()}: Pareto front in red, error bars "
+                     f"the 95% interval or ± std over seeds; the points are in `{name}.{slug}.csv`.*")
+    return "\n\n".join(lines)
+
+
+def write_sidecar(name: str, rows: list[dict], reports_dir: Path, description: str) -> None:
+    """<name>.experiment.json: what the report needs beyond the rows (name, description, which rows, in order)."""
+    meta = {"experiment": name, "description": description, "run_keys": [r.get("run_key") for r in rows]}
+    (reports_dir / f"{name}.experiment.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
+
+
+def write_report(name: str, rows: list[dict], reports_dir: str | Path, description: str = "") -> pd.DataFrame:
+    """Write <reports_dir>/<name>.csv, .md, plots and the .experiment.json sidecar; returns the DataFrame.
+
+    Depends on the rows and the description only, so regenerate.regenerate_report() reproduces it.
+    """
+    if not rows:
+        raise ValueError(f"no result rows for {name!r}: nothing to report")
+    reports_dir = Path(reports_dir)
+    reports_dir.mkdir(parents=True, exist_ok=True)
+    df = pd.DataFrame(rows)
+    if "config" in df:  # derived from the stored config, so older rows get the current wording too
+        df["scheme"] = [scheme(json.loads(c), d) for c, d in zip(df["config"], df["dtype"])]
+    df = add_intervals(add_ratios(df))
+    df.to_csv(reports_dir / f"{name}.csv", index=False)
+    summary, per_seed = summarize_seeds(df)
+    legend = "**Bold**: the best value of a column among the quantized runs (the baseline excluded)."
+    seeds = "" if per_seed is None else (
+        "**Seeds.** Rows with ± are the mean ± sample std over calibration seeds (seeds draw the calibration "
+        "windows); each seed's run:\n\n" + markdown_table(per_seed))
+    parts = [f"# {name}", description.strip(), protocol_text(df), intervals_text(df),
+             legend + "\n\n" + markdown_table(summary, mark_best=True), seeds,
+             plots_text(name, summary, reports_dir), backend_text(df), environment_text(df)]
+    (reports_dir / f"{name}.md").write_text("\n\n".join(p for p in parts if p) + "\n")
+    write_sidecar(name, rows, reports_dir, description)
+    return df

@@ -1,0 +1,209 @@
+"""Experiment files: TOML with a model, an eval protocol, a calibration protocol and [[run]]s.
+
+Everything is parsed and validated here, before any model loads.
+
+    name = "smollm2_quickstart"
+    model = "smollm2-135m"
+    [eval]
+    seq_len = 512
+    max_windows = 16
+    [[run]]
+    name = "rtn-w4-g64"
+    method = "rtn"
+    bits = 4
+    group_size = 64
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..core.checks import check_dtype, check_int
+from ..core.registry import config_to_dict, get_method, make_config
+
+
+def _check_keys(table: dict, cls: type, where: str) -> None:
+    valid = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - valid)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(valid))}")
+
+
+@dataclass(frozen=True)
+class EvalProtocol:
+    """What to measure: perplexity windows (GPTQ protocol) + KL for causal LMs, or embedding
+    fidelity for encoders; and latency settings."""
+
+    metric: str = "perplexity"  # "perplexity" (causal LMs) | "embedding" (encoders: cosine vs float)
+    dataset: str = "wikitext2"
+    split: str = "test"
+    seq_len: int = 2048
+    max_windows: int | None = None  # None: the whole split
+    max_tokens: int | None = None
+    kl_windows: int = 8  # first k eval windows also measure KL / top-1 vs the baseline; 0 = off
+    num_sentences: int = 256  # embedding metric: first N sentences of the split
+    max_length: int = 128  # embedding metric: tokens per sentence at most
+    latency: bool = True
+    prefill_tokens: int = 128
+    decode_tokens: int = 32
+    latency_repeats: int = 3
+
+    def __post_init__(self):
+        if self.metric not in ("perplexity", "embedding"):
+            raise ValueError(f"eval.metric {self.metric!r} unknown; known: perplexity, embedding")
+        check_int("eval.seq_len", self.seq_len, 1)
+        check_int("eval.num_sentences", self.num_sentences, 1)
+        check_int("eval.max_length", self.max_length, 1)
+        check_int("eval.max_windows", self.max_windows, 1, allow_none=True)
+        check_int("eval.max_tokens", self.max_tokens, 1, allow_none=True)
+        for name in ("prefill_tokens", "decode_tokens", "latency_repeats"):
+            check_int(f"eval.{name}", getattr(self, name), 1)
+        check_int("eval.kl_windows", self.kl_windows, 0)
+
+    def unbounded(self) -> "EvalProtocol":
+        return dataclasses.replace(self, max_windows=None, max_tokens=None)
+
+
+@dataclass(frozen=True)
+class CalibrationProtocol:
+    """Seeded random windows for methods that need data. Never the test split."""
+
+    dataset: str = "wikitext2"
+    split: str = "validation"
+    num_samples: int = 128
+    seq_len: int = 512
+
+    def __post_init__(self):
+        if self.split == "test":
+            raise ValueError("calibration.split = 'test' is not allowed: never calibrate on the evaluation split")
+        check_int("calibration.num_samples", self.num_samples, 1)
+        check_int("calibration.seq_len", self.seq_len, 1)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    config: Any
+    seed: int | None = None  # set when the run is one of a `seeds` list; None: the experiment's seed
+    group: str | None = None  # the run's name before seed expansion ("gptq-w4" for "gptq-w4-seed1")
+    backend: str = "simulated"  # "simulated" | "torchao" | "auto": export to real kernels before evaluating
+
+    def __post_init__(self):
+        from ..backends import check_backend
+
+        check_backend(self.backend)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, **config_to_dict(self.config)}
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    model: str
+    runs: tuple[RunSpec, ...]
+    dtype: str = "float32"
+    device: str = "auto"
+    seed: int = 0
+    seeds: tuple[int, ...] | None = None  # calibration-dependent runs repeat once per seed (see _expand_seeds)
+    description: str = ""
+    eval: EvalProtocol = field(default_factory=EvalProtocol)
+    calibration: CalibrationProtocol = field(default_factory=CalibrationProtocol)
+
+    def __post_init__(self):
+        check_dtype("dtype", self.dtype)
+        if not self.runs:
+            raise ValueError(f"experiment {self.name!r} has no [[run]] entries")
+        names = [r.name for r in self.runs]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"experiment {self.name!r}: duplicate run name(s) {', '.join(dupes)}")
+
+
+def _check_seeds(seeds, where: str) -> tuple[int, ...]:
+    if (not isinstance(seeds, (list, tuple)) or not seeds
+            or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in seeds)):
+        raise ValueError(f"{where}: seeds must be a non-empty list of integers >= 0, got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"{where}: seeds {list(seeds)} repeat a value")
+    return tuple(seeds)
+
+
+def _depends_on_seed(config) -> bool:
+    """Calibration samples and training data order are drawn from the seed."""
+    method = get_method(config)
+    return method.needs_calibration_for(config) or method.needs_training_for(config)
+
+
+def _expand_seeds(run: RunSpec, run_seeds, exp_seeds) -> list[RunSpec]:
+    """One RunSpec per seed, named "<name>-seed<s>", for runs whose result depends on a seed.
+
+    A run's own `seeds` always expand it; the experiment's `seeds` expand only runs that need
+    calibration or training data (the seed draws the windows and their order), since RTN / the
+    baseline are deterministic and would repeat identical numbers.
+    """
+    seeds = run_seeds if run_seeds is not None else (
+        exp_seeds if exp_seeds and _depends_on_seed(run.config) else None)
+    if seeds is None:
+        return [run]
+    return [dataclasses.replace(run, name=f"{run.name}-seed{s}", seed=s, group=run.name) for s in seeds]
+
+
+def _parse_runs(tables: list, exp_seeds, where: str) -> tuple[RunSpec, ...]:
+    """[[run]] tables -> RunSpecs, a run's `seeds` key (or the experiment's) expanding it per seed."""
+    runs = []
+    for i, table in enumerate(tables):
+        table = dict(table)
+        seeds = table.pop("seeds", None)
+        run = _parse_run(i, table, where)
+        seeds = None if seeds is None else _check_seeds(seeds, f"{where}: run {run.name!r}")
+        runs.extend(_expand_seeds(run, seeds, exp_seeds))
+    return tuple(runs)
+
+
+def _parse_run(i: int, table: dict, where: str) -> RunSpec:
+    table = dict(table)
+    name = table.pop("name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: [[run]] #{i + 1} needs a non-empty 'name'")
+    backend = table.pop("backend", "simulated")
+    try:
+        return RunSpec(name, make_config(table), backend=backend)
+    except (ValueError, KeyError, TypeError) as e:
+        msg = e.args[0] if e.args else str(e)
+        raise ValueError(f"{where}: run {name!r}: {msg}") from None
+
+
+def parse_experiment(data: dict, where: str = "experiment", default_name: str = "experiment") -> Experiment:
+    """Validate a parsed TOML dict into an Experiment (all run configs built)."""
+    data = dict(data)
+    if "runs" in data:
+        raise ValueError(f"{where}: write runs as [[run]] tables, not 'runs'")
+    _check_keys({k: v for k, v in data.items() if k != "run"}, Experiment, where)
+    if "model" not in data:
+        raise ValueError(f"{where}: missing required key 'model'")
+    eval_table, calib_table = data.pop("eval", {}), data.pop("calibration", {})
+    _check_keys(eval_table, EvalProtocol, f"{where} [eval]")
+    _check_keys(calib_table, CalibrationProtocol, f"{where} [calibration]")
+    exp_seeds = _check_seeds(data.pop("seeds"), where) if "seeds" in data else None
+    runs = _parse_runs(data.pop("run", []), exp_seeds, where)
+    return Experiment(
+        name=data.pop("name", default_name), runs=runs,
+        eval=EvalProtocol(**eval_table), calibration=CalibrationProtocol(**calib_table), seeds=exp_seeds, **data,
+    )
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    """Read and validate an experiment TOML file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"experiment file {str(path)!r} does not exist")
+    with path.open("rb") as f:
+        try:
+            data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: invalid TOML: {e}") from None
+    return parse_experiment(data, where=str(path), default_name=path.stem)

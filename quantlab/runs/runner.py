@@ -1,0 +1,200 @@
+"""Run an experiment: one row per run, appended to a results file as soon as it is done.
+
+A crash keeps every finished row; a rerun skips runs whose key (run config +
+protocols + model + seed + device) is already in the file, unless force=True.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import shutil
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from ..backends import export_for_run
+from ..core.lifecycle import quantize
+from ..core.registry import get_method, non_default_fields
+from ..eval import measure_latency, peak_memory_mib, perplexity, reference_logprobs, reset_peak_memory, weight_stats
+from ..eval.embedding import embedding_fidelity, layer_output_errors, mean_pooled_embeddings, sentences_from_text
+from ..models.data import calibration_windows, eval_windows, load_text, load_token_ids, tokenize
+from ..models.loading import default_cache_dir, load_model, model_info, resolve_device
+from ..reporting.report import scheme, write_report
+from .envinfo import environment
+from .experiment import Experiment, RunSpec
+from .results import append_row, read_rows
+
+log = logging.getLogger(__name__)
+
+
+def run_key(exp: Experiment, run: RunSpec, device: torch.device) -> str:
+    method = get_method(run.config)
+    # training (QAT) reads its windows from the calibration protocol too
+    needs_calib = method.needs_calibration_for(run.config) or method.needs_training_for(run.config)
+    ident = {
+        "run": {"name": run.name, "method": get_method(run.config).name, **non_default_fields(run.config),
+                **({"backend": run.backend} if run.backend != "simulated" else {})},
+        "model": exp.model, "dtype": exp.dtype, "seed": exp.seed, "device": device.type,
+        "eval": non_default_fields(exp.eval),
+        "calibration": non_default_fields(exp.calibration) if needs_calib else None,
+    }
+    if run.seed is not None:  # only runs expanded from `seeds`: every other key stays as it was
+        ident["run_seed"] = run.seed
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class _Context:
+    """Model, token windows and reference logits, built lazily and shared across runs."""
+
+    def __init__(self, exp: Experiment, device, data_dir, cache_dir, progress: bool):
+        self.exp, self.device, self.data_dir, self.cache_dir, self.progress = exp, device, data_dir, cache_dir, progress
+        self.model, self.tokenizer = load_model(exp.model, exp.dtype, str(device), cache_dir)
+        self.max_positions = model_info(self.model)["max_positions"]
+        length = exp.eval.seq_len if exp.eval.metric == "perplexity" else exp.eval.max_length
+        self._check_length("eval", length)
+        e = exp.eval
+        if e.metric == "embedding":
+            text, self.eval_source = load_text(e.dataset, e.split, data_dir)
+            self.sentences = sentences_from_text(text, e.num_sentences)
+            self.eval_ids = tokenize(" ".join(self.sentences), self.tokenizer, cache_dir)
+            self.reference = mean_pooled_embeddings(self.model, self.tokenizer, self.sentences, e.max_length,
+                                                    progress=progress)
+            self.error_batch = self.tokenizer(self.sentences[:32], padding=True, truncation=True,
+                                              max_length=e.max_length, return_tensors="pt")
+        else:
+            self.eval_ids, self.eval_source = load_token_ids(e.dataset, e.split, self.tokenizer, data_dir, cache_dir)
+            self.windows = eval_windows(self.eval_ids, e.seq_len, e.max_windows, e.max_tokens)
+            k = min(e.kl_windows, len(self.windows))
+            self.reference = reference_logprobs(self.model, self.windows[:k], progress) if k else None
+        self._calib = None
+
+    def _check_length(self, what: str, length: int) -> None:
+        if self.max_positions and length > self.max_positions:
+            raise ValueError(f"{what} length {length} exceeds the model's max positions ({self.max_positions})")
+
+    def calibration(self, seed: int | None = None) -> torch.Tensor:
+        """Calibration windows drawn with `seed` (default: the experiment's), cached per seed."""
+        seed = self.exp.seed if seed is None else seed
+        if self._calib is None:
+            c = self.exp.calibration
+            self._check_length("calibration.seq_len", c.seq_len)
+            self._calib_ids, self.calib_source = load_token_ids(c.dataset, c.split, self.tokenizer, self.data_dir,
+                                                                self.cache_dir)
+            self._calib = {}
+        if seed not in self._calib:
+            c = self.exp.calibration
+            self._calib[seed] = calibration_windows(self._calib_ids, c.num_samples, c.seq_len, seed)
+        return self._calib[seed]
+
+
+def _perplexity_metrics(ctx: _Context, model) -> dict:
+    ppl = perplexity(model, ctx.windows, ctx.reference, ctx.progress)
+    return {"ppl": ppl["ppl"], "nll_mean": ppl["nll_mean"], "kl_mean": ppl.get("kl_mean"),
+            "top1_agree": ppl.get("top1_agree"), "kl_tokens": ppl.get("kl_tokens", 0),
+            "predicted_tokens": ppl["predicted_tokens"], "eval_windows": len(ctx.windows),
+            "eval_tokens": ctx.windows.numel(), "seq_len": ctx.exp.eval.seq_len,
+            # per-window NLL sums and predicted tokens: bootstrap intervals are computed from stored rows
+            "window_nll": json.dumps(ppl["window_nll"]),
+            "window_tokens": json.dumps([ctx.windows.shape[1] - 1] * len(ctx.windows))}
+
+
+def _embedding_metrics(ctx: _Context, model) -> dict:
+    e = ctx.exp.eval
+    emb = mean_pooled_embeddings(model, ctx.tokenizer, ctx.sentences, e.max_length, progress=ctx.progress)
+    errors = layer_output_errors(model, ctx.model, ctx.error_batch) if model is not ctx.model else {}
+    values = list(errors.values())
+    return {**embedding_fidelity(ctx.reference, emb), "max_length": e.max_length,
+            "layer_rel_err_mean": sum(values) / len(values) if values else 0.0,
+            "layer_rel_err_max": max(values, default=0.0),
+            "layer_rel_err": json.dumps({k: round(v, 6) for k, v in errors.items()})}
+
+
+def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
+    exp = ctx.exp
+    seed = exp.seed if run.seed is None else run.seed
+    torch.manual_seed(seed)
+    model = copy.deepcopy(ctx.model)
+    method = get_method(run.config)
+    needs_calib = method.needs_calibration_for(run.config)
+    needs_train = method.needs_training_for(run.config)
+    calib = [w.unsqueeze(0) for w in ctx.calibration(seed)] if needs_calib or needs_train else None
+    checkpoints = Path(ctx.cache_dir or default_cache_dir()) / "checkpoints" / run_key(exp, run, ctx.device)
+    summary = quantize(model, run.config, calibration=calib if needs_calib else None,
+                       training=calib if needs_train else None,
+                       teacher=ctx.model if method.needs_teacher_for(run.config) else None,
+                       checkpoint_dir=checkpoints if needs_train else None, progress=ctx.progress)
+    exported = export_for_run(model, run.backend, method.name, ctx.eval_ids[:64].unsqueeze(0))
+    reset_peak_memory(ctx.device)
+    t0 = time.perf_counter()
+    row = (_embedding_metrics if exp.eval.metric == "embedding" else _perplexity_metrics)(ctx, model)
+    row["eval_s"] = time.perf_counter() - t0
+    if exp.eval.latency:
+        prompt = ctx.eval_ids[: exp.eval.prefill_tokens].unsqueeze(0)
+        new_tokens = exp.eval.decode_tokens if exp.eval.metric == "perplexity" else 0
+        row.update(measure_latency(model, prompt, new_tokens, repeats=exp.eval.latency_repeats))
+    row.update(peak_memory_mib(ctx.device))
+    row.update(weight_stats(model))
+    row.update({k: v for k, v in summary.items() if k.endswith("_s") or k.startswith("train_")})
+    row.update(summary["diagnostics"])  # what calibrate() reported, e.g. AWQ's chosen alphas
+    row.update(exported)
+    if needs_calib or needs_train:
+        c = exp.calibration
+        row.update(calib_source=ctx.calib_source, calib_samples=c.num_samples, calib_seq_len=c.seq_len)
+    del model
+    if needs_train and checkpoints.exists():  # the row is about to be saved: the run will not resume
+        shutil.rmtree(checkpoints)
+    return row
+
+
+def run_experiment(
+    exp: Experiment, reports_dir: str | Path = "reports", force: bool = False, data_dir=None, cache_dir=None,
+    progress: bool = True,
+):
+    """Run every pending run of `exp`, then write reports/<name>.csv and .md. Returns the DataFrame."""
+    reports_dir = Path(reports_dir)
+    reports_dir.mkdir(parents=True, exist_ok=True)
+    results = reports_dir / f"{exp.name}.results.jsonl"
+    if force and results.exists():
+        results.unlink()
+    device = resolve_device(exp.device)
+    done = {r["run_key"] for r in read_rows(results)}
+    pending = [r for r in exp.runs if run_key(exp, r, device) not in done]
+    log.info("%s: %d runs, %d already done, %d to run", exp.name, len(exp.runs), len(exp.runs) - len(pending), len(pending))
+    failures = []
+    if pending:
+        ctx = _Context(exp, device, data_dir, cache_dir, progress)
+        env = environment(device)
+        for i, run in enumerate(pending, 1):
+            log.info("[%d/%d] %s", i, len(pending), run.name)
+            try:
+                metrics = _evaluate_run(ctx, run)
+            except Exception as e:  # keep going: finished rows are saved, this run is retried next time
+                log.exception("run %r failed", run.name)
+                failures.append(f"{run.name}: {e}")
+                continue
+            cfg = run.to_dict()
+            row = {
+                "run": run.name, "method": cfg["method"], "scheme": scheme(cfg, exp.dtype),
+                "bits": cfg.get("bits"), "group_size": cfg.get("group_size"), "symmetric": cfg.get("symmetric"),
+                **metrics,
+                "backend": metrics.get("backend") or (
+                    "float" if cfg["method"] == "none" else "simulated (PyTorch dequant on the fly)"),
+                "model": exp.model, "dtype": exp.dtype, "seed": exp.seed if run.seed is None else run.seed,
+                "experiment": exp.name, "run_group": run.group or run.name,
+                "eval_metric": exp.eval.metric, "eval_dataset": exp.eval.dataset, "eval_split": exp.eval.split,
+                "eval_source": ctx.eval_source, "bos": "none", **env,
+                "config": json.dumps(cfg, sort_keys=True),
+                "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "run_key": run_key(exp, run, device),
+            }
+            append_row(results, row)
+    latest = {r["run_key"]: r for r in read_rows(results)}
+    rows = [latest[k] for k in (run_key(exp, r, device) for r in exp.runs) if k in latest]
+    df = write_report(exp.name, rows, reports_dir, exp.description)
+    if failures:
+        raise RuntimeError(f"{len(failures)} run(s) failed (finished rows kept in {results}): " + "; ".join(failures))
+    return df
