@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 
 from quantlab.cli import main
+from quantlab.core.registry import method_versions, non_default_fields
 from quantlab.runs import runner
 from quantlab.runs.experiment import load_experiment, parse_experiment
 
@@ -145,4 +146,23 @@ def test_run_key_ignores_fields_left_at_their_defaults(tiny_model_dir):
     key = runner.run_key(plain, plain.runs[0], cpu)
     assert key == runner.run_key(spelled, spelled.runs[0], cpu)
     assert key != runner.run_key(other, other.runs[0], cpu)
-    assert runner.non_default_fields(other.runs[0].config) == {"symmetric": False}  # bits = 4 is the default
+    assert non_default_fields(other.runs[0].config) == {"symmetric": False}  # bits = 4 is the default
+
+
+def test_run_key_changes_when_a_method_version_changes(tiny_model_dir, monkeypatch):
+    """A method whose default behaviour changed (version > 1) gets new run keys, also as a nested base,
+    so rows of the old behaviour are never reused; version 1 leaves every key as it was."""
+    import torch
+
+    from quantlab import get_method
+
+    runs = [{"name": "awq", "method": "awq"}, {"name": "w4a8", "method": "dynamic", "base": {"method": "awq"}},
+            {"name": "rtn", "method": "rtn"}]
+    exp = _experiment(tiny_model_dir, runs=runs)
+    cpu = torch.device("cpu")
+    before = [runner.run_key(exp, r, cpu) for r in exp.runs]
+    monkeypatch.setattr(get_method("awq"), "version", 2)
+    after = [runner.run_key(exp, r, cpu) for r in exp.runs]
+    assert after[0] != before[0] and after[1] != before[1]
+    assert after[2] == before[2]
+    assert method_versions(exp.runs[1].config) == {"awq": 2}

@@ -43,6 +43,9 @@ class Method:
     name: str = ""
     config_cls: type = object
     needs_calibration: bool = False
+    # bumped when what a config computes by default changes (e.g. AWQ made reference-exact), so result
+    # rows of the old behaviour are not reused for the new one (it enters the run key when > 1)
+    version: int = 1
 
     def needs_calibration_for(self, config: Any) -> bool:
         """Whether this config needs calibration data (methods built on a base defer to it)."""
@@ -123,6 +126,22 @@ def non_default_fields(obj) -> dict:
         if f.name in defaults and value == defaults[f.name]:
             continue
         out[f.name] = non_default_fields(value) if dataclasses.is_dataclass(value) else value
+    return out
+
+
+def method_versions(config: Any) -> dict[str, int]:
+    """{method name: version} of a config and every nested config (a `base`), for methods past version 1."""
+    out = {}
+    method = get_method(config)
+    if method.version != 1:
+        out[method.name] = method.version
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            try:
+                out.update(method_versions(value))
+            except KeyError:  # a nested dataclass that is not a method config
+                continue
     return out
 
 

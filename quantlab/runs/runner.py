@@ -18,7 +18,7 @@ import torch
 
 from ..backends import export_for_run
 from ..core.lifecycle import quantize
-from ..core.registry import get_method, non_default_fields
+from ..core.registry import get_method, method_versions, non_default_fields
 from ..eval import measure_latency, peak_memory_mib, perplexity, reference_logprobs, reset_peak_memory, weight_stats
 from ..eval.embedding import embedding_fidelity, layer_output_errors, mean_pooled_embeddings, sentences_from_text
 from ..models.data import calibration_windows, eval_windows, load_text, load_token_ids, tokenize
@@ -42,6 +42,9 @@ def run_key(exp: Experiment, run: RunSpec, device: torch.device) -> str:
         "eval": non_default_fields(exp.eval),
         "calibration": non_default_fields(exp.calibration) if needs_calib else None,
     }
+    versions = method_versions(run.config)
+    if versions:  # a method whose default behaviour changed: rows of the old one are not reused
+        ident["versions"] = versions
     if run.seed is not None:  # only runs expanded from `seeds`: every other key stays as it was
         ident["run_seed"] = run.seed
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
