@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from quantlab.cli import main
-from quantlab.core.registry import method_versions, non_default_fields
+from quantlab.core.registry import get_method, method_versions, non_default_fields
 from quantlab.runs import runner
 from quantlab.runs.experiment import load_experiment, parse_experiment
 
@@ -44,10 +44,29 @@ def test_quickstart_file_validates():
     ({"model": "m", "run": []}, r"has no \[\[run\]\] entries"),
     ({"run": [{"name": "a", "method": "none"}]}, "missing required key 'model'"),
     ({"model": "m", "run": [{"method": "none"}]}, r"\[\[run\]\] #1 needs a non-empty 'name'"),
+    # a training base under dynamic / static would be silently untrained while the row says QAT
+    ({"model": "m", "run": [{"name": "a", "method": "dynamic", "base": {"method": "qat"}}]},
+     (r"run 'a': dynamic: base 'qat' would never be trained .* labelled QAT; .*method = \"qat\" with "
+      r"base = \{method = \"dynamic\", base = \{method = \"gptq\", bits = 4")),
+    ({"model": "m", "run": [{"name": "a", "method": "static", "base": {"method": "qat", "base": {"method": "gptq"}}}]},
+     r"run 'a': static: base 'qat' would never be trained .*method = \"qat\" with base = \{method = \"static\""),
 ])
 def test_bad_experiment_files_fail_before_loading(data, match):
     with pytest.raises(ValueError, match=match):
         parse_experiment(data)
+
+
+def test_qat_base_under_dynamic_fails_when_the_file_loads(tmp_path):
+    path = tmp_path / "w4a8_qat.toml"
+    path.write_text('model = "m"\n[[run]]\nname = "w4a8-qat"\nmethod = "dynamic"\n'
+                    'base = {method = "qat", base = {method = "gptq", bits = 4}, steps = 8}\n')
+    with pytest.raises(ValueError, match=r"w4a8_qat.toml: run 'w4a8-qat': dynamic: base 'qat' would never be trained"):
+        load_experiment(path)
+    # the way the message points to loads, and trains
+    path.write_text('model = "m"\n[[run]]\nname = "w4a8-qat"\nmethod = "qat"\nsteps = 8\n'
+                    'base = {method = "dynamic", base = {method = "gptq", bits = 4}}\n')
+    run = load_experiment(path).runs[0]
+    assert get_method(run.config).needs_training_for(run.config)
 
 
 def test_invalid_toml_names_the_file(tmp_path):
