@@ -55,7 +55,7 @@ class _Context:
 
     def __init__(self, exp: Experiment, device, data_dir, cache_dir, progress: bool):
         self.exp, self.device, self.data_dir, self.cache_dir, self.progress = exp, device, data_dir, cache_dir, progress
-        self.model, self.tokenizer = load_model(exp.model, exp.dtype, str(device), cache_dir)
+        self.model, self.tokenizer = load_model(exp.model, exp.dtype, str(device), cache_dir, progress=progress)
         self.max_positions = model_info(self.model)["max_positions"]
         length = exp.eval.seq_len if exp.eval.metric == "perplexity" else exp.eval.max_length
         self._check_length("eval", length)
