@@ -1,4 +1,5 @@
-"""A minimal TOML writer for experiment files (stdlib tomllib only reads).
+"""A minimal TOML writer for experiment files (stdlib tomllib only reads), and replace_runs, which edits
+an existing file's [[run]] tables in place with tomlkit so that its comments and formatting survive.
 
 Covers what experiments hold: strings (multi-line ones as \"\"\" blocks), ints, floats,
 bools, lists, inline tables, [tables] and [[arrays of tables]]. None values are left
