@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "reports"))
     ap.add_argument("--name", default=None, help="report name (default smollm2_speed, smoke: smollm2_speed_smoke)")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     prefill, decode, batches, rounds = (64, 8, (1, 2), 1) if args.smoke else (512, 64, (1, 8), args.rounds)
     name = args.name or ("smollm2_speed_smoke" if args.smoke else "smollm2_speed")
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     save_dir = Path(tempfile.mkdtemp(prefix="quantlab-speed-"))
     models = {c.name: prepare(c, base, probe, save_dir / c.name if c.quant else None, MODEL) for c in CONFIGS}
     shapes = [(b, prefill, decode) for b in batches]
-    rows = interleaved_latency(models, shapes, rounds=rounds)
+    rows = interleaved_latency(models, shapes, rounds=rounds, progress=not args.quiet)
     del models
     by_name = {c.name: c for c in CONFIGS}
     for row in rows:

@@ -71,3 +71,20 @@ def test_calibration_windows_are_seeded():
         calibration_windows(torch.arange(50), 4, 64, seed=0)
     with pytest.raises(ValueError, match="num_samples must be >= 1, got 0"):
         calibration_windows(ids, 0, 64, seed=0)
+
+
+def test_text_files_that_are_not_utf8_name_the_file_and_the_byte(tmp_path):
+    """A dataset path (`[eval] dataset = "file.txt"`) and the wikitext-2 files of a --data-dir alike."""
+    (tmp_path / "notes.txt").write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"notes\.txt: not a UTF-8 text file \('utf-8' codec can't decode byte 0xe9 "
+                                         r"in position 3: invalid continuation byte\); save it as UTF-8"):
+        load_text(str(tmp_path / "notes.txt"), "test")
+    data = tmp_path / "wikitext-2"
+    data.mkdir()
+    (data / "wiki.test.rows.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    (data / "wiki.valid.tokens").write_bytes(b"\xff valid\n")
+    with pytest.raises(ValueError, match=r"wiki\.test\.rows\.jsonl: not a UTF-8 text file \('utf-8' codec can't "
+                                         r"decode byte 0xe9 in position 28: invalid continuation byte"):
+        load_text("wikitext2", "test", data)
+    with pytest.raises(ValueError, match=r"wiki\.valid\.tokens: not a UTF-8 text file .*byte 0xff in position 0"):
+        load_text("wikitext2", "validation", data)

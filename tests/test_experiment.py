@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from quantlab.cli import main
-from quantlab.core.registry import method_versions, non_default_fields
+from quantlab.core.registry import get_method, make_config, method_versions, non_default_fields
 from quantlab.runs import runner
 from quantlab.runs.experiment import load_experiment, parse_experiment
 
@@ -44,10 +44,61 @@ def test_quickstart_file_validates():
     ({"model": "m", "run": []}, r"has no \[\[run\]\] entries"),
     ({"run": [{"name": "a", "method": "none"}]}, "missing required key 'model'"),
     ({"model": "m", "run": [{"method": "none"}]}, r"\[\[run\]\] #1 needs a non-empty 'name'"),
+    # a training base under dynamic / static would be silently untrained while the row says QAT
+    ({"model": "m", "run": [{"name": "a", "method": "dynamic", "base": {"method": "qat"}}]},
+     (r"run 'a': dynamic: base 'qat' would never be trained .* labelled QAT; .*method = \"qat\" with "
+      r"base = \{method = \"dynamic\", base = \{method = \"gptq\", bits = 4")),
+    ({"model": "m", "run": [{"name": "a", "method": "static", "base": {"method": "qat", "base": {"method": "gptq"}}}]},
+     r"run 'a': static: base 'qat' would never be trained .*method = \"qat\" with base = \{method = \"static\""),
+    # names become file names: reports/<experiment>.*, and run names reach paths too
+    ({"name": "../../x", "model": "m", "run": [{"name": "a", "method": "none"}]},
+     r"experiment name '\.\./\.\./x' contains '/'; it must be a non-empty name without '/', '\\' or control"),
+    ({"name": "a\\b", "model": "m", "run": [{"name": "a", "method": "none"}]}, r"experiment name 'a\\\\b' contains '\\'"),
+    ({"name": ".hidden", "model": "m", "run": [{"name": "a", "method": "none"}]}, r"experiment name '\.hidden' starts with '\.'"),
+    ({"name": "..", "model": "m", "run": [{"name": "a", "method": "none"}]}, r"experiment name '\.\.' starts with '\.'"),
+    ({"name": " ", "model": "m", "run": [{"name": "a", "method": "none"}]}, r"experiment name ' ' is empty"),
+    ({"name": "a\tb", "model": "m", "run": [{"name": "a", "method": "none"}]}, "contains a control character"),
+    ({"name": 3, "model": "m", "run": [{"name": "a", "method": "none"}]}, "experiment name 3 is of type int"),
+    ({"model": "m", "run": [{"name": "../w4", "method": "none"}]}, r"\[\[run\]\] #1: run name '\.\./w4' contains '/'"),
+    ({"model": "m", "run": [{"name": "ok", "method": "none"}, {"name": "..", "method": "none"}]},
+     r"\[\[run\]\] #2: run name '\.\.' starts with '\.'"),
+    ({"model": "m", "run": [{"name": "w\n4", "method": "none"}]}, r"run name 'w\\n4' contains a control character"),
 ])
 def test_bad_experiment_files_fail_before_loading(data, match):
     with pytest.raises(ValueError, match=match):
         parse_experiment(data)
+
+
+def test_names_are_checked_on_direct_construction_too():
+    from quantlab.runs.experiment import Experiment, RunSpec
+
+    with pytest.raises(ValueError, match=r"run name 'a/b' contains '/'"):
+        RunSpec("a/b", make_config({"method": "none"}))
+    with pytest.raises(ValueError, match=r"experiment name '\.\./x' contains '/'"):
+        Experiment("../x", "m", (RunSpec("a", make_config({"method": "none"})),))
+    ok = parse_experiment({"name": "a..b_c-1.2", "model": "m", "run": [{"name": "w4 g64 (sym)", "method": "none"}]})
+    assert ok.name == "a..b_c-1.2"  # dots inside a name and spaces are fine
+
+
+def test_qat_base_under_dynamic_fails_when_the_file_loads(tmp_path):
+    path = tmp_path / "w4a8_qat.toml"
+    path.write_text('model = "m"\n[[run]]\nname = "w4a8-qat"\nmethod = "dynamic"\n'
+                    'base = {method = "qat", base = {method = "gptq", bits = 4}, steps = 8}\n')
+    with pytest.raises(ValueError, match=r"w4a8_qat.toml: run 'w4a8-qat': dynamic: base 'qat' would never be trained"):
+        load_experiment(path)
+    # the way the message points to loads, and trains
+    path.write_text('model = "m"\n[[run]]\nname = "w4a8-qat"\nmethod = "qat"\nsteps = 8\n'
+                    'base = {method = "dynamic", base = {method = "gptq", bits = 4}}\n')
+    run = load_experiment(path).runs[0]
+    assert get_method(run.config).needs_training_for(run.config)
+
+
+def test_experiment_file_that_is_not_utf8_names_file_and_codec(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('description = "Gr\u00fc\u00dfe"\nmodel = "m"\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.toml: not a UTF-8 text file \('utf-8' codec can't decode byte 0xfc "
+                                         r"in position 17: invalid start byte\)"):
+        load_experiment(path)
 
 
 def test_invalid_toml_names_the_file(tmp_path):

@@ -7,7 +7,8 @@ import torch
 import quantlab
 from quantlab.core.primitives import fake_quantize
 from quantlab.core.qlinear import QuantLinear, WeightSpec
-from quantlab.methods.gptq import GPTQConfig, gptq_solve
+from quantlab.methods import gptq
+from quantlab.methods.gptq import GPTQConfig, gptq_solve, gptq_solve_detailed
 
 
 def _weights(out_f=32, in_f=96, seed=0):
@@ -89,6 +90,47 @@ def test_failed_cholesky_raises_damping_then_errors(caplog):
         gptq_solve(w, -torch.eye(4), WeightSpec(4), where="blk.0.q_proj")
     with pytest.raises(ValueError, match="blk.0.q_proj: Hessian has NaN/Inf entries"):
         gptq_solve(w, torch.full((4, 4), float("nan")), WeightSpec(4), where="blk.0.q_proj")
+
+
+def test_detailed_solve_reports_the_damping_it_used():
+    """Same result as gptq_solve (exact), plus the damping: the configured one, or x10 per Cholesky retry."""
+    w, x = _weights(4, 4), _correlated_inputs(4, 64)
+    retry = torch.diag(torch.tensor([1.0, 1.0, 1.0, -0.02]))  # damp 0.01·mean(diag) = 0.0075 < 0.02; 0.1 is enough
+    for h, damp in ((2 * x.T @ x / len(x), 0.01), (retry, 0.01 * 10)):
+        sol = gptq_solve_detailed(w, h, WeightSpec(4))
+        q, p = gptq_solve(w, h, WeightSpec(4))
+        assert sol.damp == damp and torch.equal(sol.q, q) and torch.equal(sol.qparams.scale, p.scale)
+
+
+def _indefinite_hessians(monkeypatch, layer_suffix):
+    """Make the Hessian of the layers named *layer_suffix indefinite: one channel decoupled, with a diagonal
+    entry of -0.03·mean(diag) (Cholesky fails with damp 0.01, succeeds with 0.1)."""
+    class Indefinite(gptq.HessianObserver):
+        def compute(self, where="layer"):
+            h = super().compute(where)
+            if where.endswith(layer_suffix):
+                m = torch.diag(h).mean()
+                h[0, :], h[:, 0] = 0, 0
+                h[0, 0] = -0.03 * m
+            return h
+
+    monkeypatch.setattr(gptq, "HessianObserver", Indefinite)
+
+
+def test_calibrate_reports_damping_diagnostics(tiny_model_dir, monkeypatch):
+    calib = [torch.randint(0, 300, (1, 32), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    model, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
+    summary = quantlab.quantize(model, GPTQConfig(bits=4, group_size=32), calibration=calib, progress=False)
+    assert summary["diagnostics"] == {"gptq_damp_max": 0.01, "gptq_damp_raised_layers": 0}
+    _indefinite_hessians(monkeypatch, "layers.1.mlp.down_proj")
+    model, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
+    summary = quantlab.quantize(model, GPTQConfig(bits=4, group_size=32), calibration=calib, progress=False)
+    assert summary["diagnostics"] == {"gptq_damp_max": 0.01 * 10, "gptq_damp_raised_layers": 1}
+    # a gptq base reports the same through dynamic (W4A8)
+    model, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
+    cfg = quantlab.make_config({"method": "dynamic", "base": {"method": "gptq", "bits": 4, "group_size": 32}})
+    summary = quantlab.quantize(model, cfg, calibration=calib, progress=False)
+    assert summary["diagnostics"] == {"gptq_damp_max": 0.01 * 10, "gptq_damp_raised_layers": 1}
 
 
 def test_solver_does_not_mutate_inputs():

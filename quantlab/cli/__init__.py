@@ -20,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", default=os.environ.get("QUANTLAB_DATA_DIR"),
                         help="directory with the wikitext-2 files (env QUANTLAB_DATA_DIR; default: ../shared/data/wikitext-2)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="debug logging from quantlab (e.g. the traceback of a failed run)")
     sub = parser.add_subparsers(dest="command", required=True)
     for group in (run, models, mixed):
         group.add_commands(sub)
@@ -29,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # -v: DEBUG for quantlab's own loggers only (torch / transformers / matplotlib debug output is noise)
+    logging.getLogger("quantlab").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     for noisy in ("httpx", "urllib3", "filelock", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:

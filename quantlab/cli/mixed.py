@@ -32,13 +32,18 @@ def _configs(args) -> list:
 
 
 def _target(args):
-    """(model, dtype, name, eval dataset, seq_len) from an experiment file or a model name."""
+    """(model, dtype, name, eval dataset, seq_len) from an experiment file or a model name; the name (a
+    file-name part: reports/<name>.sensitivity.*) is checked here, before anything loads."""
+    from ..core.checks import check_name
     from ..runs.experiment import load_experiment
 
+    if args.name is not None:
+        check_name("--name", args.name)
     if args.target.endswith(".toml"):
         exp = load_experiment(args.target)
         return exp.model, exp.dtype, args.name or exp.name, exp.eval.dataset, args.seq_len or exp.eval.seq_len
     name = args.name or re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(args.target).name)
+    check_name("output name (from the model path; set one with --name)", name)
     return args.target, "float32", name, "wikitext2", args.seq_len or 512
 
 
@@ -46,71 +51,87 @@ def cmd_sensitivity(args) -> int:
     from ..mixed.plot import with_ext, write_sensitivity
     from ..mixed.sensitivity import sweep, validation_windows
     from ..models.loading import load_model
+    from ..runs.results import results_lock
 
     configs = _configs(args)
     model_name, dtype, name, dataset, seq_len = _target(args)
-    model, tok = load_model(model_name, dtype, args.device, args.cache_dir)
-    windows, source = validation_windows(tok, dataset, args.split, seq_len, args.windows, args.data_dir, args.cache_dir)
-    prefix = Path(args.reports_dir) / f"{name}.sensitivity"
     suffix = "" if args.granularity == "layer" else f"_{args.granularity}"
-    prefix = prefix.with_name(prefix.name + suffix)
-    rows = sweep(model, configs, windows, args.granularity, with_ext(prefix, ".jsonl"), progress=not args.quiet)
-    for r in rows:
-        r.update(model=model_name, split=args.split, source=source, windows=len(windows), seq_len=seq_len)
-    df = write_sensitivity(rows, prefix)
+    prefix = Path(args.reports_dir) / f"{name}.sensitivity{suffix}"
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    cache = with_ext(prefix, ".jsonl")
+    with results_lock(cache):  # one sweep per cache file at a time; a second fails before loading anything
+        model, tok = load_model(model_name, dtype, args.device, args.cache_dir, progress=not args.quiet)
+        windows, source = validation_windows(tok, dataset, args.split, seq_len, args.windows, args.data_dir,
+                                             args.cache_dir)
+        rows = sweep(model, configs, windows, args.granularity, cache, progress=not args.quiet)
+        for r in rows:
+            r.update(model=model_name, split=args.split, source=source, windows=len(windows), seq_len=seq_len)
+        df = write_sensitivity(rows, prefix)
     print(f"wrote {prefix}.csv and .png ({len(df)} rows; cache {prefix}.jsonl)")
     top = df.sort_values("kl_mean", ascending=False).head(10)
     print(top[["unit", "candidate", "params", "kl_mean", "ppl"]].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     return 0
 
 
-def cmd_mixed(args) -> int:
+def _mixed_names(args) -> tuple[list[str], list[str]]:
+    """Run names for the bits and MiB targets, checked (they become file-name parts) before anything loads."""
+    from ..core.checks import check_name
+
+    if not args.target_bits and not args.target_mib:
+        raise ValueError("give --target-bits and/or --target-mib")
+    names = ([f"{args.prefix}{bits:g}b" for bits in args.target_bits],
+             [f"{args.prefix}{mib:g}mib" for mib in args.target_mib])
+    for name in names[0] + names[1]:
+        check_name(f"run name (--prefix {args.prefix!r})", name)
+    return names
+
+
+def _read_sensitivity(path: Path) -> list[dict]:
+    import io
+
     import pandas as pd
 
+    from ..core.checks import read_utf8
+
+    rows = pd.read_csv(io.StringIO(read_utf8(path))).to_dict("records")  # not UTF-8: names the file and byte
+    for r in rows:  # pandas reads an empty group_size as NaN; the config column is the source of truth
+        r["candidate"] = str(r["candidate"])
+    return rows
+
+
+def cmd_mixed(args) -> int:
+    from ..core.checks import read_utf8
     from ..mixed.solver import mixed_run_table, plan_summary, solve_budget
     from ..runs.experiment import load_experiment, parse_experiment
-    from ..runs.tomlwrite import dumps
+    from ..runs.tomlwrite import replace_runs
 
     exp = load_experiment(args.experiment)
+    bits_names, mib_names = _mixed_names(args)
     sens = Path(args.sensitivity or Path(args.reports_dir) / f"{exp.name}.sensitivity.csv")
     if not sens.exists():
         raise FileNotFoundError(f"sensitivity file {str(sens)!r} does not exist; run `quantlab sensitivity "
                                 f"{args.experiment} ...` first")
-    rows = pd.read_csv(sens).to_dict("records")
-    for r in rows:  # pandas reads an empty group_size as NaN; the config column is the source of truth
-        r["candidate"] = str(r["candidate"])
-    if not args.target_bits and not args.target_mib:
-        raise ValueError("give --target-bits and/or --target-mib")
+    rows = _read_sensitivity(sens)
     new_runs = []
-    for bits in args.target_bits:
+    for bits, name in zip(args.target_bits, bits_names):
         plan = solve_budget(rows, target_bits=bits, metric=args.metric)
         print(f"target {bits} bits/weight: {json.dumps(plan_summary(plan))}")
-        new_runs.append(mixed_run_table(f"{args.prefix}{bits:g}b", plan))
-    for mib in args.target_mib:
+        new_runs.append(mixed_run_table(name, plan))
+    for mib, name in zip(args.target_mib, mib_names):
         plan = solve_budget(rows, target_bytes=int(mib * 2**20), metric=args.metric)
         print(f"target {mib} MiB: {json.dumps(plan_summary(plan))}")
-        new_runs.append(mixed_run_table(f"{args.prefix}{mib:g}mib", plan))
-    with open(args.experiment, "rb") as f:
-        data = tomllib.load(f)
-    names = {r["name"] for r in new_runs}
-    data["run"] = [r for r in data.get("run", []) if r["name"] not in names] + new_runs
-    header = _leading_comments(Path(args.experiment).read_text())
+        new_runs.append(mixed_run_table(name, plan))
+    # edit the file's own text in place: every comment, key order and formatting outside the new runs is kept
+    text = replace_runs(read_utf8(args.experiment), new_runs, where=args.experiment)
+    data = tomllib.loads(text)
     parse_experiment(data, where=args.experiment)  # validate before writing anything
-    text = header + dumps(data)  # the file's own tables as written (not defaults-compacted), plus the new runs
     out = Path(args.out or args.experiment)
-    out.write_text(text)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(out)  # a crash never leaves half a file
     load_experiment(out)  # what we wrote must load
     print(f"wrote {out} ({len(data['run'])} runs); now: quantlab run {out}")
     return 0
-
-
-def _leading_comments(text: str) -> str:
-    lines = []
-    for line in text.splitlines(keepends=True):
-        if not line.startswith("#"):
-            break
-        lines.append(line)
-    return "".join(lines)
 
 
 def add_commands(sub) -> None:
@@ -138,6 +159,6 @@ def add_commands(sub) -> None:
     p.add_argument("--sensitivity", help="sensitivity CSV (default reports/<experiment name>.sensitivity.csv)")
     p.add_argument("--metric", default="kl_mean")
     p.add_argument("--prefix", default="mixed-", help="run name prefix; runs are named <prefix><bits>b")
-    p.add_argument("--out", help="experiment file to write (default: rewrite the input, comments at the top kept)")
+    p.add_argument("--out", help="experiment file to write (default: edit the input in place, comments kept)")
     p.add_argument("--reports-dir", default="reports")
     p.set_defaults(func=cmd_mixed)

@@ -1,6 +1,6 @@
 """`quantlab run`, `quantlab report`, `quantlab compare`: experiments and their reports.
 
-    quantlab run experiments/smollm2_quickstart.toml [--full] [--force]
+    quantlab run experiments/smollm2_quickstart.toml [--full] [--force] [--wait [--wait-timeout S]]
     quantlab report reports/smollm2_quickstart.results.jsonl [--out DIR]
     quantlab compare A.csv B.csv [--out diff.md]
 """
@@ -19,7 +19,8 @@ def cmd_run(args) -> int:
         exp = dataclasses.replace(exp, name=f"{exp.name}_full", eval=exp.eval.unbounded())
     if args.device:
         exp = dataclasses.replace(exp, device=args.device)
-    df = run_experiment(exp, args.reports_dir, args.force, args.data_dir, args.cache_dir, progress=not args.quiet)
+    df = run_experiment(exp, args.reports_dir, args.force, args.data_dir, args.cache_dir, progress=not args.quiet,
+                        wait=args.wait, wait_timeout_s=args.wait_timeout)
     print(f"wrote {args.reports_dir}/{exp.name}.csv and .md ({len(df)} rows)")
     cols = [c for c in ("run", "scheme", "ppl", "ppl_delta_pct", "kl_mean", "weight_mib", "bits_per_weight") if c in df]
     print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
@@ -41,13 +42,17 @@ def cmd_report(args) -> int:
 
 
 def cmd_compare(args) -> int:
+    from ..core.checks import read_utf8
     from ..reporting.compare import compare_markdown, compare_reports
 
+    for path in (args.a, args.b):  # a CSV that is not UTF-8 fails naming itself (pandas would not say which)
+        if os.path.isfile(path):
+            read_utf8(path)
     metrics = args.metrics.split(",") if args.metrics else None
     text = compare_markdown(compare_reports(args.a, args.b, metrics), args.a, args.b)
     print(text, end="")
     if args.out:
-        with open(args.out, "w") as f:
+        with open(args.out, "w", encoding="utf-8") as f:
             f.write(text)
     return 0
 
@@ -60,6 +65,9 @@ def add_commands(sub) -> None:
     p.add_argument("--full", action="store_true", help="evaluate the whole test split (drops max_windows/max_tokens)")
     p.add_argument("--device", help="override the experiment's device (auto, cpu, cuda)")
     p.add_argument("--reports-dir", default="reports")
+    p.add_argument("--wait", action="store_true",
+                   help="if another process is running this experiment, wait until it finishes instead of failing")
+    p.add_argument("--wait-timeout", type=float, metavar="SECONDS", help="with --wait: give up after SECONDS")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("report", help="regenerate CSV, Markdown and plots from a results file (runs nothing)")
     p.add_argument("results", help="reports/<name>.results.jsonl")

@@ -210,10 +210,38 @@ def needs_calibration(config: Any) -> bool:
 
 
 def as_weight_base(value: Any, owner: str) -> Any:
-    """A weight-only base config (dict from TOML or config object), or a ValueError listing the valid methods."""
+    """A weight-only base config (dict from TOML or config object), or a ValueError listing the valid methods.
+
+    A method that trains (qat) is no weight base either: the owner runs only prepare / calibrate /
+    convert of its base, so the training would be skipped while the row still says QAT. Training goes
+    outside: method = "qat" with base = {method = "<owner>", base = {...}}.
+    """
     config = as_config(value, "base")
     method = get_method(config)
+    if method.needs_training_for(config):
+        raise ValueError(
+            f"{owner}: base {method.name!r} would never be trained ({owner} runs only its base's prepare, "
+            f"calibrate and convert), yet the row would be labelled {method.name.upper()}; to train, put {owner} "
+            f"inside instead: method = \"{method.name}\" with base = {{method = \"{owner}\", "
+            f"base = {{method = \"gptq\", bits = 4, ...}}}} (W4A8) and the {method.name} fields (steps, lr, ...) beside it"
+        )
     if method.name == "none" or quantizes_activations(method):
-        valid = [m for m in known_methods() if m != "none" and not quantizes_activations(get_method(m))]
-        raise ValueError(f"{owner}: base must be a weight quantization method ({', '.join(valid)}), got {method.name!r}")
+        raise ValueError(f"{owner}: base must be a weight quantization method ({', '.join(_weight_bases())}), "
+                         f"got {method.name!r}")
     return config
+
+
+def _weight_bases() -> list[str]:
+    """Methods a dynamic / static base may name: they quantize weights only and do not train."""
+    out = []
+    for name in known_methods():
+        method = get_method(name)
+        if name == "none" or quantizes_activations(method):
+            continue
+        try:
+            trains = method.needs_training_for(method.config_cls())
+        except (TypeError, ValueError):  # a config without defaults: assume it does not train
+            trains = False
+        if not trains:
+            out.append(name)
+    return out

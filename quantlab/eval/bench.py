@@ -95,11 +95,12 @@ def prepare(cfg: BenchConfig, base_model, probe_ids: torch.Tensor | None = None,
 
 
 def interleaved_latency(models: dict, shapes: list[tuple[int, int, int]], rounds: int = 3, warmup: int = 1,
-                        min_time_s: float = 0.0, vocab_size: int | None = None, seed: int = 0) -> list[dict]:
+                        min_time_s: float = 0.0, vocab_size: int | None = None, seed: int = 0,
+                        progress: bool = True) -> list[dict]:
     """One row per (config, shape): medians over `rounds` interleaved passes.
 
     models: name -> (model, summary). shapes: (batch, prefill_tokens, decode_tokens). Prompts are
-    seeded random token ids, the same for every configuration.
+    seeded random token ids, the same for every configuration. progress=False: no progress bar.
     """
     gen = torch.Generator().manual_seed(seed)
     vocab = vocab_size or next(iter(models.values()))[0].config.vocab_size
@@ -108,7 +109,7 @@ def interleaved_latency(models: dict, shapes: list[tuple[int, int, int]], rounds
     for name, (model, _) in models.items():  # warm-up once per configuration and shape
         for s in shapes:
             measure_latency(model, prompts[s][:, : min(32, s[1])], min(s[2], 4), warmup=warmup, repeats=1)
-    for _ in tqdm(range(rounds), desc="rounds"):
+    for _ in tqdm(range(rounds), desc="rounds", disable=not progress):
         for s in shapes:
             for name, (model, _) in models.items():
                 samples[(name, s)].append(measure_latency(model, prompts[s], s[2], warmup=0, repeats=1,

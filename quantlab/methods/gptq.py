@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -43,18 +44,24 @@ class GPTQConfig(RTNConfig):
             raise ValueError(f"damp must be in (0, 1), got {self.damp!r}")
 
 
-def _upper_cholesky_of_inverse(h: torch.Tensor, damp: float, where: str) -> torch.Tensor:
-    """U with Uᵀ U = (H + λI)⁻¹, λ = damp·mean(diag H); λ grows ×10 on failure (logged)."""
+def _upper_cholesky_of_inverse(h: torch.Tensor, damp: float, where: str) -> tuple[torch.Tensor, float]:
+    """(U, damp used) with Uᵀ U = (H + λI)⁻¹, λ = damp·mean(diag H); damp grows ×10 on failure (logged)."""
     mean_diag = torch.diag(h).mean()
     eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     for attempt in range(6):
         try:
             lower = torch.linalg.cholesky(h + damp * mean_diag * eye)
-            return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+            return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True), damp
         except torch.linalg.LinAlgError:
             log.warning("%s: Cholesky failed with damp=%g; retrying with damp=%g", where, damp, damp * 10)
             damp *= 10
     raise ValueError(f"{where}: Hessian is not positive definite even with damp={damp / 10:g}")
+
+
+class GPTQSolution(NamedTuple):
+    q: torch.Tensor  # (out, in) weights on the grid
+    qparams: QParams  # scales / zeros (out, n_groups)
+    damp: float  # the damping fraction finally used (> the configured one when Cholesky needed retries)
 
 
 @torch.no_grad()
@@ -64,9 +71,23 @@ def gptq_solve(
 ) -> tuple[torch.Tensor, QParams]:
     """Quantize W (out, in) against Hessian H (in, in). Returns (Q on the grid, qparams (out, n_groups)).
 
-    Pure: inputs are not modified. With H = I it reduces exactly to RTN.
+    Pure: inputs are not modified. With H = I it reduces exactly to RTN. gptq_solve_detailed also
+    returns the damping used.
 
     >>> q, p = gptq_solve(layer.weight, 2 * x.T @ x / len(x), WeightSpec(4, 64))
+    """
+    solution = gptq_solve_detailed(w, h, spec, block_size, damp, act_order, where)
+    return solution.q, solution.qparams
+
+
+@torch.no_grad()
+def gptq_solve_detailed(
+    w: torch.Tensor, h: torch.Tensor, spec: WeightSpec, block_size: int = 128, damp: float = 0.01,
+    act_order: bool = False, where: str = "layer",
+) -> GPTQSolution:
+    """gptq_solve, plus the damping it finally used (for the row's diagnostics).
+
+    >>> sol = gptq_solve_detailed(w, h, WeightSpec(4, 64)); sol.damp > 0.01   # True if Cholesky retried
     """
     if not torch.isfinite(h).all():
         raise ValueError(f"{where}: Hessian has NaN/Inf entries")
@@ -79,7 +100,7 @@ def gptq_solve(
     static = spec.qparams(w)  # per-channel params, or act_order's groups fixed up front
     perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(n_cols, device=w.device)
     w, h = w[:, perm], h[perm][:, perm]
-    hinv = _upper_cholesky_of_inverse(h, damp, where)
+    hinv, damp_used = _upper_cholesky_of_inverse(h, damp, where)
     dynamic = spec.group_size is not None and not act_order
     scales, zeros = static.scale.clone(), None if static.zero is None else static.zero.clone()
     qmin, qmax = code_range(spec.bits, spec.symmetric)
@@ -107,7 +128,7 @@ def gptq_solve(
             err1[:, i] = err
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
     inverse = torch.argsort(perm)
-    return q_all[:, inverse], QParams(scales, zeros)
+    return GPTQSolution(q_all[:, inverse], QParams(scales, zeros), damp_used)
 
 
 def _stages(block, config: GPTQConfig, model_type: str | None) -> list[list[str]]:
@@ -131,8 +152,11 @@ class GPTQ(Method):
         swap_in_quant_linears(model, config.selection, config.weight_spec, config.overrides)
 
     def calibrate(self, model, config: GPTQConfig, batches, progress: bool = True) -> dict:
+        """Blocks in order; returns gptq_damp_max (the largest damping any layer finally used) and
+        gptq_damp_raised_layers (how many layers needed more than config.damp for Cholesky)."""
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         prefix = {id(m): n for n, m in model.named_modules()}
+        damps = []
 
         def process(index, block, inputs, kwargs):
             stages = _stages(block, config, model_type)
@@ -147,14 +171,16 @@ class GPTQ(Method):
                     remove()
                 for name in stage:
                     layer, where = layers[name], f"{prefix[id(block)]}.{name}"
-                    q, p = gptq_solve(layer.weight, observers[name].compute(where), layer.spec,
-                                      config.block_size, config.damp, config.act_order, where)
-                    layer.weight.data.copy_(q.to(layer.weight.dtype))
-                    layer.fixed_qparams = p
+                    sol = gptq_solve_detailed(layer.weight, observers[name].compute(where), layer.spec,
+                                              config.block_size, config.damp, config.act_order, where)
+                    layer.weight.data.copy_(sol.q.to(layer.weight.dtype))
+                    layer.fixed_qparams = sol.qparams
                     layer.quant_enabled = True
+                    damps.append(sol.damp)
 
         for_each_block(model, batches, process, desc="gptq", progress=progress)
-        return {}
+        return {"gptq_damp_max": max(damps, default=config.damp),
+                "gptq_damp_raised_layers": sum(d > config.damp for d in damps)}
 
     def convert(self, model, config: GPTQConfig) -> None:
         freeze_all(model)

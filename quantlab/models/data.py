@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..core.checks import read_utf8
+
 DATASETS = ("wikitext2",)
 SPLITS = ("test", "validation")
 JOIN = "\n\n"
@@ -62,8 +64,7 @@ def load_text(dataset: str, split: str, data_dir: str | Path | None = None) -> t
         path = Path(dataset)
         if not path.is_file():
             raise FileNotFoundError(f"dataset {dataset!r} is neither a known dataset ({', '.join(DATASETS)}) nor a file")
-        text = path.read_text(encoding="utf-8")
-        return text, f"file:{path.name}"
+        return read_utf8(path), f"file:{path.name}"
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
     local = find_wikitext2_dir(data_dir)
@@ -71,10 +72,14 @@ def load_text(dataset: str, split: str, data_dir: str | Path | None = None) -> t
         return _hub_text(split), f"hub:wikitext-2-raw-v1/{split}"
     path = local / _WIKITEXT_FILES[split]
     if split == "test":
-        with path.open(encoding="utf-8") as f:
-            rows = [json.loads(line)["text"] for line in f]
+        try:
+            with path.open(encoding="utf-8") as f:
+                rows = [json.loads(line)["text"] for line in f]
+        except UnicodeDecodeError:
+            read_utf8(path)  # raises, naming the file and the byte's offset in the file (not in a read chunk)
+            raise
         return JOIN.join(rows), f"local:{path.name} rows joined with \\n\\n"
-    return path.read_text(encoding="utf-8"), f"local:{path.name}"
+    return read_utf8(path), f"local:{path.name}"
 
 
 def _tokenizer_fingerprint(tokenizer) -> str:

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -134,14 +135,36 @@ def is_causal_lm(path: str) -> bool:
     return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
 
 
+@contextlib.contextmanager
+def _hf_progress_bars(enabled: bool):
+    """transformers' own bars ("Loading weights", GGUF conversion) off inside the block when not enabled;
+    its global switch is put back afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if was_enabled and not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled and not enabled:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(
     name_or_path: str, dtype: str | torch.dtype = "float32", device: str = "auto",
-    cache_dir: str | Path | None = None,
+    cache_dir: str | Path | None = None, progress: bool = True,
 ) -> tuple[nn.Module, object]:
     """(model in eval mode on device, tokenizer). Aliases: see ALIASES.
 
     Causal LMs load with AutoModelForCausalLM; encoders (e.g. BERT) with AutoModel.
+    progress=False silences transformers' loading bars.
     """
+    with _hf_progress_bars(progress):
+        return _load_model(name_or_path, dtype, device, cache_dir)
+
+
+def _load_model(name_or_path: str, dtype, device: str, cache_dir) -> tuple[nn.Module, object]:
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype, dev = resolve_dtype(dtype), resolve_device(device)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.checks import check_dtype, check_int
+from ..core.checks import check_dtype, check_int, check_name, utf8_error
 from ..core.registry import config_to_dict, get_method, make_config
 
 
@@ -94,6 +94,7 @@ class RunSpec:
     def __post_init__(self):
         from ..backends import check_backend
 
+        check_name("run name", self.name)  # run names may reach paths (reports, checkpoints)
         check_backend(self.backend)
 
     def to_dict(self) -> dict:
@@ -114,6 +115,7 @@ class Experiment:
     calibration: CalibrationProtocol = field(default_factory=CalibrationProtocol)
 
     def __post_init__(self):
+        check_name("experiment name", self.name)  # reports/<name>.csv, .md, .results.jsonl
         check_dtype("dtype", self.dtype)
         if not self.runs:
             raise ValueError(f"experiment {self.name!r} has no [[run]] entries")
@@ -169,6 +171,10 @@ def _parse_run(i: int, table: dict, where: str) -> RunSpec:
     name = table.pop("name", None)
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}: [[run]] #{i + 1} needs a non-empty 'name'")
+    try:
+        check_name("run name", name)
+    except ValueError as e:
+        raise ValueError(f"{where}: [[run]] #{i + 1}: {e}") from None
     backend = table.pop("backend", "simulated")
     try:
         return RunSpec(name, make_config(table), backend=backend)
@@ -189,9 +195,14 @@ def parse_experiment(data: dict, where: str = "experiment", default_name: str = 
     _check_keys(eval_table, EvalProtocol, f"{where} [eval]")
     _check_keys(calib_table, CalibrationProtocol, f"{where} [calibration]")
     exp_seeds = _check_seeds(data.pop("seeds"), where) if "seeds" in data else None
+    name = data.pop("name", default_name)
+    try:
+        check_name("experiment name", name)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     runs = _parse_runs(data.pop("run", []), exp_seeds, where)
     return Experiment(
-        name=data.pop("name", default_name), runs=runs,
+        name=name, runs=runs,
         eval=EvalProtocol(**eval_table), calibration=CalibrationProtocol(**calib_table), seeds=exp_seeds, **data,
     )
 
@@ -201,9 +212,12 @@ def load_experiment(path: str | Path) -> Experiment:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"experiment file {str(path)!r} does not exist")
-    with path.open("rb") as f:
-        try:
-            data = tomllib.load(f)
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"{path}: invalid TOML: {e}") from None
+    try:
+        text = path.read_bytes().decode("utf-8")  # as tomllib.load decodes (no newline translation)
+    except UnicodeDecodeError as e:
+        raise utf8_error(path, e) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: invalid TOML: {e}") from None
     return parse_experiment(data, where=str(path), default_name=path.stem)

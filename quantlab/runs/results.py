@@ -2,12 +2,21 @@
 
 The one reader and writer of `*.results.jsonl` (and of the sensitivity cache, same format):
 the runner appends, the sensitivity sweep caches, `quantlab report` and `compare` read.
+`results_lock` keeps a second process from running the same experiment at the same time.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
+import os
+import socket
+import time
+from datetime import datetime, timezone
 from pathlib import Path
+
+from ..core.checks import read_utf8
 
 log = logging.getLogger(__name__)
 
@@ -16,7 +25,7 @@ def read_rows(path: Path) -> list[dict]:
     if not path.exists():
         return []
     rows = []
-    for line in path.read_text().splitlines():
+    for line in read_utf8(path).splitlines():
         if line.strip():
             try:
                 rows.append(json.loads(line))
@@ -27,6 +36,114 @@ def read_rows(path: Path) -> list[dict]:
 
 def append_row(path: Path, row: dict) -> None:
     """One JSON line, flushed at once: a crash keeps every finished row."""
-    with path.open("a") as f:
+    with path.open("a", encoding="utf-8") as f:
         f.write(json.dumps(row, default=str) + "\n")
         f.flush()
+
+
+# ---- one writer per results file ---------------------------------------------------------
+
+LOCK_SUFFIX = ".lock"
+
+
+class ResultsLocked(RuntimeError):
+    """Another live process holds the results file's lock."""
+
+
+def _holder_text(path: Path) -> tuple[dict, str]:
+    """(holder dict, description) from a lock file's contents (empty while the holder is writing them)."""
+    try:
+        holder = json.loads(path.read_text(encoding="utf-8") or "{}")
+    except (OSError, ValueError):
+        holder = {}
+    if not isinstance(holder, dict) or "pid" not in holder:
+        return {}, "another process (it has not written its PID yet)"
+    return holder, f"PID {holder['pid']} on {holder.get('host', '?')} since {holder.get('started', '?')}"
+
+
+def _pid_alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return True  # exists but not ours, or unreadable: assume alive
+    return True
+
+
+def _try_lock(lock: Path) -> int | None:
+    """An fd holding flock(LOCK_EX) on `lock` (the file that is still at that path), or None if held."""
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:  # the holder before us may have unlinked the file between our open and flock: retry on the new one
+            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def results_lock(results: str | Path, wait: bool = False, timeout_s: float | None = None, poll_s: float = 1.0,
+                 report_every_s: float = 60.0):
+    """Hold `<results>.lock` for the block: one writer per results file.
+
+    The lock is an flock on the file (the kernel drops it when the holder dies, even by SIGKILL); the
+    file names its holder (PID, host, start time) for the message the next process prints. A lock file
+    left by a dead process is logged and taken over. Released on success, error and Ctrl-C.
+
+    wait=False: raise ResultsLocked at once, naming the holder. wait=True: poll every poll_s seconds,
+    logging who holds it every report_every_s, and raise ResultsLocked after timeout_s (None: no limit).
+
+    >>> with results_lock(Path("reports/x.results.jsonl")):
+    ...     append_row(Path("reports/x.results.jsonl"), row)
+    """
+    lock = Path(str(results) + LOCK_SUFFIX)
+    fd = _acquire(lock, wait, timeout_s, poll_s, report_every_s)
+    try:
+        yield lock
+    finally:
+        try:
+            lock.unlink()  # while still holding it: a waiter that opened the old file sees it vanish, retries
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _acquire(lock: Path, wait: bool, timeout_s: float | None, poll_s: float, report_every_s: float) -> int:
+    """The locked fd, with our PID, host and start time written into the lock file."""
+    start, last_report = time.monotonic(), None
+    while (fd := _try_lock(lock)) is None:
+        _, who = _holder_text(lock)
+        waited = time.monotonic() - start
+        if not wait:
+            raise ResultsLocked(
+                f"{lock.name[:-len(LOCK_SUFFIX)]} is being written by {who} (lock file {lock}); wait for it to "
+                "finish, or run again with --wait to start as soon as it is free")
+        if timeout_s is not None and waited >= timeout_s:
+            raise ResultsLocked(f"gave up after waiting {waited:.0f} s for {lock}: still held by {who}")
+        if last_report is None or time.monotonic() - last_report >= report_every_s:
+            log.info("waiting for %s, held by %s", lock, who)
+            last_report = time.monotonic()
+        time.sleep(poll_s if timeout_s is None else max(0.0, min(poll_s, timeout_s - waited)))
+    _take_over_if_stale(lock)
+    stamp = {"pid": os.getpid(), "host": socket.gethostname(),
+             "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(stamp).encode(), 0)
+    return fd
+
+
+def _take_over_if_stale(lock: Path) -> None:
+    """We hold the flock; a holder still named in the file crashed without removing it: say so."""
+    holder, who = _holder_text(lock)
+    if not holder:
+        return
+    here = holder.get("host") == socket.gethostname()
+    state = "no longer running" if here and not _pid_alive(holder["pid"]) else "no longer holding it"
+    log.warning("taking over the stale lock %s left by %s (%s)", lock, who, state)

@@ -26,7 +26,7 @@ from ..models.loading import default_cache_dir, load_model, model_info, resolve_
 from ..reporting.report import scheme, write_report
 from .envinfo import environment
 from .experiment import Experiment, RunSpec
-from .results import append_row, read_rows
+from .results import append_row, read_rows, results_lock
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class _Context:
 
     def __init__(self, exp: Experiment, device, data_dir, cache_dir, progress: bool):
         self.exp, self.device, self.data_dir, self.cache_dir, self.progress = exp, device, data_dir, cache_dir, progress
-        self.model, self.tokenizer = load_model(exp.model, exp.dtype, str(device), cache_dir)
+        self.model, self.tokenizer = load_model(exp.model, exp.dtype, str(device), cache_dir, progress=progress)
         self.max_positions = model_info(self.model)["max_positions"]
         length = exp.eval.seq_len if exp.eval.metric == "perplexity" else exp.eval.max_length
         self._check_length("eval", length)
@@ -153,51 +153,69 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
     return row
 
 
+def _result_row(ctx: _Context, run: RunSpec, metrics: dict, env: dict) -> dict:
+    exp, cfg = ctx.exp, run.to_dict()
+    return {
+        "run": run.name, "method": cfg["method"], "scheme": scheme(cfg, exp.dtype),
+        "bits": cfg.get("bits"), "group_size": cfg.get("group_size"), "symmetric": cfg.get("symmetric"),
+        **metrics,
+        "backend": metrics.get("backend") or (
+            "float" if cfg["method"] == "none" else "simulated (PyTorch dequant on the fly)"),
+        "model": exp.model, "dtype": exp.dtype, "seed": exp.seed if run.seed is None else run.seed,
+        "experiment": exp.name, "run_group": run.group or run.name,
+        "eval_metric": exp.eval.metric, "eval_dataset": exp.eval.dataset, "eval_split": exp.eval.split,
+        "eval_source": ctx.eval_source, "bos": "none", **env,
+        "config": json.dumps(cfg, sort_keys=True),
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "run_key": run_key(exp, run, ctx.device),
+    }
+
+
+def _run_pending(exp: Experiment, pending: list[RunSpec], results: Path, device, data_dir, cache_dir,
+                 progress: bool) -> list[str]:
+    """Evaluate each pending run, appending its row at once; returns "name: error" per failed run."""
+    ctx = _Context(exp, device, data_dir, cache_dir, progress)
+    env = environment(device)
+    failures = []
+    for i, run in enumerate(pending, 1):
+        log.info("[%d/%d] %s", i, len(pending), run.name)
+        try:
+            metrics = _evaluate_run(ctx, run)
+        except Exception as e:  # keep going: finished rows are saved, this run is retried next time
+            log.error("run %r failed: %s: %s", run.name, type(e).__name__, e)
+            log.debug("traceback of run %r:", run.name, exc_info=True)  # shown with quantlab -v
+            failures.append(f"{run.name}: {e}")
+            continue
+        append_row(results, _result_row(ctx, run, metrics, env))
+    return failures
+
+
 def run_experiment(
     exp: Experiment, reports_dir: str | Path = "reports", force: bool = False, data_dir=None, cache_dir=None,
-    progress: bool = True,
+    progress: bool = True, wait: bool = False, wait_timeout_s: float | None = None,
 ):
-    """Run every pending run of `exp`, then write reports/<name>.csv and .md. Returns the DataFrame."""
+    """Run every pending run of `exp`, then write reports/<name>.csv and .md. Returns the DataFrame.
+
+    One process at a time per results file: another one running the same experiment makes this one
+    fail at once (ResultsLocked, naming its PID), or with wait=True wait for it (up to wait_timeout_s).
+    A failed run is logged in one line (its traceback at DEBUG), the others go on, and a RuntimeError
+    listing the failures is raised after the report is written.
+    """
     reports_dir = Path(reports_dir)
     reports_dir.mkdir(parents=True, exist_ok=True)
     results = reports_dir / f"{exp.name}.results.jsonl"
-    if force and results.exists():
-        results.unlink()
-    device = resolve_device(exp.device)
-    done = {r["run_key"] for r in read_rows(results)}
-    pending = [r for r in exp.runs if run_key(exp, r, device) not in done]
-    log.info("%s: %d runs, %d already done, %d to run", exp.name, len(exp.runs), len(exp.runs) - len(pending), len(pending))
-    failures = []
-    if pending:
-        ctx = _Context(exp, device, data_dir, cache_dir, progress)
-        env = environment(device)
-        for i, run in enumerate(pending, 1):
-            log.info("[%d/%d] %s", i, len(pending), run.name)
-            try:
-                metrics = _evaluate_run(ctx, run)
-            except Exception as e:  # keep going: finished rows are saved, this run is retried next time
-                log.exception("run %r failed", run.name)
-                failures.append(f"{run.name}: {e}")
-                continue
-            cfg = run.to_dict()
-            row = {
-                "run": run.name, "method": cfg["method"], "scheme": scheme(cfg, exp.dtype),
-                "bits": cfg.get("bits"), "group_size": cfg.get("group_size"), "symmetric": cfg.get("symmetric"),
-                **metrics,
-                "backend": metrics.get("backend") or (
-                    "float" if cfg["method"] == "none" else "simulated (PyTorch dequant on the fly)"),
-                "model": exp.model, "dtype": exp.dtype, "seed": exp.seed if run.seed is None else run.seed,
-                "experiment": exp.name, "run_group": run.group or run.name,
-                "eval_metric": exp.eval.metric, "eval_dataset": exp.eval.dataset, "eval_split": exp.eval.split,
-                "eval_source": ctx.eval_source, "bos": "none", **env,
-                "config": json.dumps(cfg, sort_keys=True),
-                "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "run_key": run_key(exp, run, device),
-            }
-            append_row(results, row)
-    latest = {r["run_key"]: r for r in read_rows(results)}
-    rows = [latest[k] for k in (run_key(exp, r, device) for r in exp.runs) if k in latest]
-    df = write_report(exp.name, rows, reports_dir, exp.description)
+    with results_lock(results, wait=wait, timeout_s=wait_timeout_s):
+        if force and results.exists():
+            results.unlink()
+        device = resolve_device(exp.device)
+        done = {r["run_key"] for r in read_rows(results)}
+        pending = [r for r in exp.runs if run_key(exp, r, device) not in done]
+        log.info("%s: %d runs, %d already done, %d to run", exp.name, len(exp.runs), len(exp.runs) - len(pending),
+                 len(pending))
+        failures = _run_pending(exp, pending, results, device, data_dir, cache_dir, progress) if pending else []
+        latest = {r["run_key"]: r for r in read_rows(results)}
+        rows = [latest[k] for k in (run_key(exp, r, device) for r in exp.runs) if k in latest]
+        df = write_report(exp.name, rows, reports_dir, exp.description)
     if failures:
         raise RuntimeError(f"{len(failures)} run(s) failed (finished rows kept in {results}): " + "; ".join(failures))
     return df

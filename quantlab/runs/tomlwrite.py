@@ -1,4 +1,5 @@
-"""A minimal TOML writer for experiment files (stdlib tomllib only reads).
+"""A minimal TOML writer for experiment files (stdlib tomllib only reads), and replace_runs, which edits
+an existing file's [[run]] tables in place with tomlkit so that its comments and formatting survive.
 
 Covers what experiments hold: strings (multi-line ones as \"\"\" blocks), ints, floats,
 bools, lists, inline tables, [tables] and [[arrays of tables]]. None values are left
@@ -119,3 +120,72 @@ def experiment_dict(exp) -> dict:
 def experiment_toml(exp, header: str = "") -> str:
     """TOML text for an Experiment; `header` (comment lines) goes first."""
     return (header.rstrip("\n") + "\n" if header else "") + dumps(experiment_dict(exp))
+
+
+# ---- editing a file in place (tomlkit): comments, key order and formatting are kept ----------
+
+def _toml_item(v: Any):
+    """A plain value -> a tomlkit item: dicts inline, lists of dicts one inline table per line."""
+    import tomlkit
+
+    if isinstance(v, dict):
+        table = tomlkit.inline_table()
+        table.update({k: _toml_item(x) for k, x in v.items() if x is not None})
+        return table
+    if isinstance(v, (list, tuple)):
+        array = tomlkit.array()
+        array.extend(_toml_item(x) for x in v)
+        if v and all(isinstance(x, dict) for x in v):
+            array.multiline(True)
+        return array
+    return tomlkit.item(v)
+
+
+def _run_table(run: dict, keep: list, indent: str):
+    """A [[run]] table from a dict, `indent` before its header; `keep`: trailing items (comments, blank
+    lines) of the table it replaces."""
+    import tomlkit
+
+    table = tomlkit.table()
+    for k, v in run.items():
+        if v is not None:
+            table.add(k, _toml_item(v))
+    for item in keep:
+        table.add(item)
+    table.trivia.indent = indent
+    return table
+
+
+def replace_runs(text: str, runs: list[dict], where: str = "experiment") -> str:
+    """The experiment file `text` with `runs` as [[run]] tables: a run whose name is already there
+    replaces that table where it stands, the others are appended. Everything else is kept as written:
+    comments (between tables, inline, in the header), key order, formatting. The comments inside a
+    replaced table go with it; those after its last key (about the next table) stay.
+
+    >>> replace_runs(Path("exp.toml").read_text(), [mixed_run_table("mixed-4b", plan)])
+    """
+    import tomlkit
+    from tomlkit.items import AoT
+
+    try:
+        doc = tomlkit.parse(text if text.endswith("\n") or not text else text + "\n")
+    except tomlkit.exceptions.ParseError as e:
+        raise ValueError(f"{where}: invalid TOML: {e}") from None
+    if "run" not in doc:
+        doc.append("run", tomlkit.aot())
+    tables = doc["run"]
+    if not isinstance(tables, AoT):
+        raise ValueError(f"{where}: write the runs as [[run]] tables to have runs added (found 'run' as "
+                         f"{type(tables).__name__})")
+    index = {t.get("name"): i for i, t in enumerate(tables)}
+    for run in runs:
+        if run["name"] in index:
+            old = tables[index[run["name"]]]
+            body = old.value.body
+            last_key = max((i for i, (k, _) in enumerate(body) if k is not None), default=-1)
+            keep = [item for _, item in body[last_key + 1:]]
+            tables[index[run["name"]]] = _run_table(run, keep, old.trivia.indent)
+        else:
+            tables.append(_run_table(run, [], "\n"))  # a blank line before each new table
+            index[run["name"]] = len(tables) - 1
+    return tomlkit.dumps(doc)
