@@ -8,17 +8,21 @@ import pandas as pd
 import pytest
 
 from quantlab.cli import main
-from quantlab.reporting import plots
+from quantlab.reporting import plots, stats
 from quantlab.reporting.compare import compare_reports
 from quantlab.reporting.regenerate import regenerate_report
 from quantlab.runs import runner
-from quantlab.runs.experiment import parse_experiment
+from quantlab.runs.experiment import load_experiment, parse_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 RUNS = [{"name": "fp32", "method": "none"}, {"name": "w8", "method": "rtn", "bits": 8},
         {"name": "w4g32", "method": "rtn", "bits": 4, "group_size": 32, "symmetric": False},
         {"name": "w3g32", "method": "rtn", "bits": 3, "group_size": 32, "symmetric": False}]
+
+
+FINDINGS = ("w3 g32 is {w3g32 vs w4g32:verdict} w4 g32 ({w3g32 vs w4g32}); "
+            "w8 ppl {w8:ppl:.2f}, {w8:weight_mib:.3f} MiB.")
 
 
 def _experiment(model_dir, name="tiny_report", runs=RUNS, **top):
@@ -30,9 +34,9 @@ def _experiment(model_dir, name="tiny_report", runs=RUNS, **top):
 
 @pytest.fixture(scope="module")
 def tiny_reports(tiny_model_dir, tmp_path_factory):
-    """One run of the tiny experiment through the runner; returns its reports folder."""
+    """One run of the tiny experiment (with a findings template) through the runner; returns its reports folder."""
     out = tmp_path_factory.mktemp("reports")
-    runner.run_experiment(_experiment(tiny_model_dir), out, progress=False)
+    runner.run_experiment(_experiment(tiny_model_dir, findings=FINDINGS), out, progress=False)
     return out
 
 
@@ -88,6 +92,45 @@ def test_regenerated_report_is_byte_identical(tiny_reports, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == names and len(names) == 7  # csv, md, sidecar, 2 x (png, csv)
     for name in names:
         assert (out / name).read_bytes() == (tiny_reports / name).read_bytes(), name
+    assert json.loads((out / "tiny_report.experiment.json").read_text())["findings"] == FINDINGS
+    md = (out / "tiny_report.md").read_text()
+    assert "## Findings" in md and "{" not in md.split("## Findings")[1].split("![")[0]  # every placeholder filled
+
+
+def test_findings_section_from_the_rows(tiny_reports):
+    """The section sits after the table, before the protocol, and says what the CSV's numbers say."""
+    md = (tiny_reports / "tiny_report.md").read_text()
+    df = pd.read_csv(tiny_reports / "tiny_report.csv").set_index("run")
+    assert md.index("| w3g32 |") < md.index("## Findings") < md.index("**Protocol.**") < md.index("**Environment.**")
+    assert "*Generated from the rows above by the experiment's `findings` template" in md
+    assert f"w8 ppl {df.loc['w8', 'ppl']:.2f}, {df.loc['w8', 'weight_mib']:.3f} MiB." in md
+    w3, w4 = (json.loads(df.loc[r, "window_nll"]) for r in ("w3g32", "w4g32"))  # reference: stats on the CSV
+    d = stats.paired_delta_interval(w3, w4, json.loads(df.loc["w4g32", "window_tokens"]))
+    verdict = ("not distinguishable from" if not d["excludes_zero"]
+               else "lower than" if d["high"] < 0 else "higher than")
+    assert f"w3 g32 is {verdict} w4 g32 ({d['delta_pct']:+.1f}% [{d['low']:+.1f}, {d['high']:+.1f}])" in md
+
+
+def test_report_with_an_edited_template(tiny_reports, tiny_model_dir, tmp_path):
+    """`quantlab report --experiment FILE` takes the file's description and findings (round-tripped through
+    tomlwrite) instead of the sidecar's; a template that does not fit the rows fails before writing anything."""
+    from quantlab.runs.tomlwrite import experiment_toml
+
+    shutil.copy(tiny_reports / "tiny_report.results.jsonl", tmp_path)
+    shutil.copy(tiny_reports / "tiny_report.experiment.json", tmp_path)
+    exp = _experiment(tiny_model_dir, findings="Edited: {w4g32:bits_per_weight:.3f} bits.\n\n{{literal}}")
+    toml = tmp_path / "tiny_report.toml"
+    toml.write_text(experiment_toml(exp))
+    assert load_experiment(toml) == exp  # the template round-trips exactly
+    assert main(["report", str(tmp_path / "tiny_report.results.jsonl"), "--experiment", str(toml)]) == 0
+    df = pd.read_csv(tmp_path / "tiny_report.csv").set_index("run")
+    md = (tmp_path / "tiny_report.md").read_text()
+    assert f"Edited: {df.loc['w4g32', 'bits_per_weight']:.3f} bits.\n\n{{literal}}" in md and "w8 ppl" not in md
+    assert json.loads((tmp_path / "tiny_report.experiment.json").read_text())["findings"] == exp.findings
+    before = md
+    with pytest.raises(ValueError, match=r"run 'w8' has no column 'pplx'; known: .*ppl"):
+        regenerate_report(tmp_path / "tiny_report.results.jsonl", findings="{w8:pplx}")
+    assert (tmp_path / "tiny_report.md").read_text() == before
 
 
 def test_regeneration_uses_the_sidecar_run_order_not_stale_rows(tiny_model_dir, tmp_path):
@@ -102,11 +145,13 @@ def test_regeneration_uses_the_sidecar_run_order_not_stale_rows(tiny_model_dir, 
     assert (tmp_path / "again" / "stale.md").read_bytes() == own
 
 
-@pytest.mark.parametrize("name", ["smollm2_quickstart", "smollm2_ptq", "minilm_ptq", "smollm2_seeds"])
+@pytest.mark.parametrize("name", ["smollm2_quickstart", "smollm2_ptq", "minilm_ptq", "smollm2_seeds", "smollm2_qat",
+                                  "smollm2_mixed"])
 @pytest.mark.parametrize("sidecar", [True, False])
 def test_committed_results_regenerate(name, sidecar, tmp_path):
     """Every committed results file regenerates, with or without its sidecar; rows written before
-    window NLL existed make a report without intervals, and say so."""
+    window NLL existed make a report without intervals, and say so. With the sidecar, the committed
+    Markdown comes back byte for byte: its findings are what the current rows say."""
     results = REPO / "reports" / f"{name}.results.jsonl"
     if not results.exists():
         pytest.skip(f"{results.name} not committed")
@@ -115,12 +160,16 @@ def test_committed_results_regenerate(name, sidecar, tmp_path):
         shutil.copy(REPO / "reports" / f"{name}.experiment.json", tmp_path)
     df = regenerate_report(tmp_path / results.name, tmp_path / "out")
     committed = pd.read_csv(REPO / "reports" / f"{name}.csv")
+    if not sidecar:  # without the sidecar, rows come in results-file order (a rerun appends at the end)
+        assert sorted(df["run"]) == sorted(committed["run"])
+        df = df.set_index("run").loc[committed["run"]].reset_index()
     assert list(df["run"]) == list(committed["run"])
     metric = "ppl" if "ppl" in committed else "cos_mean"
     assert df[metric].tolist() == committed[metric].tolist()  # exact: the same stored numbers
     md = (tmp_path / "out" / f"{name}.md").read_text()
     if sidecar:
         assert json.loads((REPO / "reports" / f"{name}.experiment.json").read_text())["description"].strip() in md
+        assert md == (REPO / "reports" / f"{name}.md").read_text()
     if metric == "cos_mean":
         assert "Intervals" not in md and not list((tmp_path / "out").glob("*.png"))
     elif "window_nll" in committed:

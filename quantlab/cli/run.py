@@ -31,11 +31,11 @@ def cmd_report(args) -> int:
     from ..reporting.regenerate import regenerate_report
     from ..runs.experiment import load_experiment
 
-    description = None
-    if args.experiment:  # supplies the description for results written before the sidecar existed
+    description = findings = None
+    if args.experiment:  # its description and findings replace the sidecar's (edited text, or no sidecar)
         exp = load_experiment(args.experiment)
-        description = exp.description
-    df = regenerate_report(args.results, args.out, description)
+        description, findings = exp.description, exp.findings
+    df = regenerate_report(args.results, args.out, description, findings)
     name = os.path.basename(args.results).removesuffix(".results.jsonl")
     print(f"wrote {os.path.join(args.out or os.path.dirname(args.results), name)}.csv, .md and plots ({len(df)} rows)")
     return 0
@@ -72,7 +72,8 @@ def add_commands(sub) -> None:
     p = sub.add_parser("report", help="regenerate CSV, Markdown and plots from a results file (runs nothing)")
     p.add_argument("results", help="reports/<name>.results.jsonl")
     p.add_argument("--out", help="output folder (default: beside the results file)")
-    p.add_argument("--experiment", help="experiment TOML whose description to use (results without a sidecar)")
+    p.add_argument("--experiment", help="experiment TOML whose description and findings template to use instead "
+                   "of the sidecar's (after editing them, or for results without a sidecar)")
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("compare", help="diff two report CSVs run by run")
     p.add_argument("a")

@@ -3,11 +3,11 @@
     regenerate_report("reports/smollm2_quickstart.results.jsonl", out_dir="again")
 
 The runner writes `<name>.experiment.json` beside the results: the experiment's name, its
-description and the run keys of the rows its report showed, in order (a results file also keeps
-rows of runs since changed or removed). With it, the regenerated files are byte-identical to the
-run's own. Without it (results written before the sidecar existed) the report uses the latest
-row of each run name in file order, the name from the file name, and the description given
-(`description=`, e.g. read from the experiment TOML), or none.
+description, its findings template and the run keys of the rows its report showed, in order (a
+results file also keeps rows of runs since changed or removed). With it, the regenerated files are
+byte-identical to the run's own. Without it (results written before the sidecar existed) the report
+uses the latest row of each run name in file order and the name from the file name. `description=`
+and `findings=` (e.g. read from the experiment TOML after editing them) replace the sidecar's.
 """
 from __future__ import annotations
 
@@ -64,8 +64,12 @@ def select_rows(rows: list[dict], meta: dict | None, where: str) -> list[dict]:
     return [by_key[k] for k in meta["run_keys"]]
 
 
-def regenerate_report(results, out_dir=None, description: str | None = None) -> pd.DataFrame:
-    """Write <out_dir>/<name>.{csv,md,...} from <name>.results.jsonl (out_dir: the results' folder)."""
+def regenerate_report(results, out_dir=None, description: str | None = None,
+                      findings: str | None = None) -> pd.DataFrame:
+    """Write <out_dir>/<name>.{csv,md,...} from <name>.results.jsonl (out_dir: the results' folder).
+
+    description / findings: None takes the sidecar's (or none without a sidecar).
+    """
     results = Path(results)
     if not results.is_file():
         raise FileNotFoundError(f"results file {str(results)!r} does not exist")
@@ -80,5 +84,7 @@ def regenerate_report(results, out_dir=None, description: str | None = None) -> 
         raise ValueError(f"{sidecar}: describes experiment {meta.get('experiment')!r}, not {name!r}")
     if description is None:
         description = meta["description"] if meta else ""
+    if findings is None:
+        findings = meta.get("findings", "") if meta else ""
     selected = select_rows(rows, meta, str(results))
-    return write_report(name, selected, results.parent if out_dir is None else out_dir, description)
+    return write_report(name, selected, results.parent if out_dir is None else out_dir, description, findings)

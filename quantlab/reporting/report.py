@@ -1,8 +1,8 @@
 """Rows -> pandas -> CSV + Markdown (+ plots), with a baseline row, ratio columns and intervals.
 
 Ratios are against the first row whose method is 'none' (the unquantized model). Everything
-here depends only on the result rows (and the description), so `quantlab report` regenerates
-a run's report byte for byte from its results file (see regenerate.py).
+here depends only on the result rows (and the description and findings template), so
+`quantlab report` regenerates a run's report byte for byte from its results file (see regenerate.py).
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from . import findings as findings_mod
 from . import stats
 
 # (column, header, format) shown in the Markdown table; the CSV keeps every column.
@@ -289,34 +290,41 @@ def plots_text(name: str, summary: pd.DataFrame, reports_dir: Path) -> str:
     return "\n\n".join(lines)
 
 
-def write_sidecar(name: str, rows: list[dict], reports_dir: Path, description: str) -> None:
-    """<name>.experiment.json: what the report needs beyond the rows (name, description, which rows, in order)."""
-    meta = {"experiment": name, "description": description, "run_keys": [r.get("run_key") for r in rows]}
+def write_sidecar(name: str, rows: list[dict], reports_dir: Path, description: str, findings: str = "") -> None:
+    """<name>.experiment.json: what the report needs beyond the rows (name, description, findings template,
+    which rows, in order). An empty `findings` is left out, so sidecars of experiments without one stay as they were."""
+    meta = {"experiment": name, "description": description, **({"findings": findings} if findings else {}),
+            "run_keys": [r.get("run_key") for r in rows]}
     (reports_dir / f"{name}.experiment.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
 
 
-def write_report(name: str, rows: list[dict], reports_dir: str | Path, description: str = "") -> pd.DataFrame:
+def write_report(name: str, rows: list[dict], reports_dir: str | Path, description: str = "",
+                 findings: str = "") -> pd.DataFrame:
     """Write <reports_dir>/<name>.csv, .md, plots and the .experiment.json sidecar; returns the DataFrame.
 
-    Depends on the rows and the description only, so regenerate.regenerate_report() reproduces it.
+    `findings` is the experiment's template (see findings.py), rendered from the rows after the table; a
+    template that does not fit the rows raises before any file is written. Depends on the rows, the
+    description and the template only, so regenerate.regenerate_report() reproduces it.
     """
     if not rows:
         raise ValueError(f"no result rows for {name!r}: nothing to report")
     reports_dir = Path(reports_dir)
-    reports_dir.mkdir(parents=True, exist_ok=True)
     df = pd.DataFrame(rows)
     if "config" in df:  # derived from the stored config, so older rows get the current wording too
         df["scheme"] = [scheme(json.loads(c), d) for c, d in zip(df["config"], df["dtype"])]
     df = add_intervals(add_ratios(df))
-    df.to_csv(reports_dir / f"{name}.csv", index=False)
     summary, per_seed = summarize_seeds(df)
+    formats = {c: f for c, _, f in TABLE_COLUMNS}
+    findings_text = findings_mod.findings_section(findings, df, summary, formats)  # raises before writing
+    reports_dir.mkdir(parents=True, exist_ok=True)
+    df.to_csv(reports_dir / f"{name}.csv", index=False)
     legend = "**Bold**: the best value of a column among the quantized runs (the baseline excluded)."
     seeds = "" if per_seed is None else (
         "**Seeds.** Rows with ± are the mean ± sample std over calibration seeds (seeds draw the calibration "
         "windows); each seed's run:\n\n" + markdown_table(per_seed))
-    parts = [f"# {name}", description.strip(), protocol_text(df), intervals_text(df),
-             legend + "\n\n" + markdown_table(summary, mark_best=True), seeds,
-             plots_text(name, summary, reports_dir), backend_text(df), environment_text(df)]
+    parts = [f"# {name}", description.strip(), legend + "\n\n" + markdown_table(summary, mark_best=True), seeds,
+             findings_text, plots_text(name, summary, reports_dir), protocol_text(df), intervals_text(df),
+             backend_text(df), environment_text(df)]
     (reports_dir / f"{name}.md").write_text("\n\n".join(p for p in parts if p) + "\n")
-    write_sidecar(name, rows, reports_dir, description)
+    write_sidecar(name, rows, reports_dir, description, findings)
     return df

@@ -4,6 +4,7 @@ Everything is parsed and validated here, before any model loads.
 
     name = "smollm2_quickstart"
     model = "smollm2-135m"
+    findings = "RTN w4 g64: ppl {rtn-w4-g64:ppl:.1f}"   # filled from the rows (reporting/findings.py)
     [eval]
     seq_len = 512
     max_windows = 16
@@ -23,6 +24,7 @@ from typing import Any
 
 from ..core.checks import check_dtype, check_int, check_name, utf8_error
 from ..core.registry import config_to_dict, get_method, make_config
+from ..reporting.findings import check_runs
 
 
 def _check_keys(table: dict, cls: type, where: str) -> None:
@@ -110,7 +112,8 @@ class Experiment:
     device: str = "auto"
     seed: int = 0
     seeds: tuple[int, ...] | None = None  # calibration-dependent runs repeat once per seed (see _expand_seeds)
-    description: str = ""
+    description: str = ""  # the setup: what is run and why
+    findings: str = ""  # a template the report fills from the rows (quantlab/reporting/findings.py)
     eval: EvalProtocol = field(default_factory=EvalProtocol)
     calibration: CalibrationProtocol = field(default_factory=CalibrationProtocol)
 
@@ -123,6 +126,9 @@ class Experiment:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"experiment {self.name!r}: duplicate run name(s) {', '.join(dupes)}")
+        if not isinstance(self.findings, str):
+            raise ValueError(f"experiment {self.name!r}: findings must be a string (a template), "
+                             f"got {type(self.findings).__name__}")
 
 
 def _check_seeds(seeds, where: str) -> tuple[int, ...]:
@@ -201,10 +207,14 @@ def parse_experiment(data: dict, where: str = "experiment", default_name: str = 
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     runs = _parse_runs(data.pop("run", []), exp_seeds, where)
-    return Experiment(
+    exp = Experiment(
         name=name, runs=runs,
         eval=EvalProtocol(**eval_table), calibration=CalibrationProtocol(**calib_table), seeds=exp_seeds, **data,
     )
+    # every run a findings placeholder names must be a run (or seed group) of the file; checked here, not in
+    # Experiment, so that a subset of the runs (dataclasses.replace) still reports, noting what it lacks
+    check_runs(exp.findings, [r.name for r in runs] + [r.group for r in runs if r.group], f"{where}: findings")
+    return exp
 
 
 def load_experiment(path: str | Path) -> Experiment:

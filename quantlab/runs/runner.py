@@ -215,7 +215,7 @@ def run_experiment(
         failures = _run_pending(exp, pending, results, device, data_dir, cache_dir, progress) if pending else []
         latest = {r["run_key"]: r for r in read_rows(results)}
         rows = [latest[k] for k in (run_key(exp, r, device) for r in exp.runs) if k in latest]
-        df = write_report(exp.name, rows, reports_dir, exp.description)
+        df = write_report(exp.name, rows, reports_dir, exp.description, exp.findings)
     if failures:
         raise RuntimeError(f"{len(failures)} run(s) failed (finished rows kept in {results}): " + "; ".join(failures))
     return df

@@ -1,0 +1,281 @@
+"""Findings written from the rows: an experiment's `findings` template, filled in by the report.
+
+A template is Markdown with placeholders in braces; every number and every comparison word comes
+from the report's rows, so a rerun rewrites them. `{{` and `}}` are literal braces.
+
+    {RUN:COLUMN}               a value of RUN's report row in the column's table format: {fp32:ppl} -> 30.641
+    {RUN:COLUMN:FORMAT}        ... in a Python format spec: {awq-w4-g64:ppl:.2f} -> 36.19
+    {A vs B}                   paired Δppl % of A against B on the same windows, with its 95% bootstrap
+                               interval (reporting/stats.py): "-12.3% [-15.1, -9.8]"
+    {A vs B:delta:FORMAT}      ... in FORMAT (default +.1f)
+    {A vs B:verdict}           "lower than" / "higher than" / "not distinguishable from": A's ppl against B's,
+                               by whether that paired interval lies below 0, above 0, or includes it
+    {A vs B:verdict:W1|W2|W3}  the same choice in your own words (lower | higher | not distinguishable)
+    {A vs B:COLUMN}            a plain comparison of one column, without any interval (e.g. cos_mean):
+                               "lower than" / "higher than" / "level with" (equal at the table's precision)
+    {A vs B:COLUMN:W1|W2|W3}   ... in your own words
+    {A vs B:COLUMN:FORMAT}     the relative change of COLUMN in %, (A / B - 1) * 100, without any interval:
+                               {w4a8 vs w4:ppl:+.1f}% -> +4.3%
+
+RUN is a run name, a seed run ("gptq-w4-g64-seed1") or a seed group ("gptq-w4-g64": the mean over its
+seeds, with `<metric>_std` and `n_seeds`). COLUMN is any CSV column (ppl, ppl_delta_pct, kl_mean,
+cos_mean, weight_mib, calibrate_s, ...) or `ppl_ci` / `ppl_delta_ci` (the intervals as "[low, high]").
+W1|W2|W3 are any three phrases, used when A's value is lower / higher / the same (or not distinguishable).
+A placeholder sits on one line. Run names are checked when the experiment loads (before any model), columns
+when the report is written; a run that has no row yet (failed, not run) leaves the section with a note.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+from . import stats
+
+_TOKEN = re.compile(r"\{\{|\}\}|\{([^{}\n]*)\}|[{}]")
+VERDICT_WORDS = ("lower than", "higher than", "not distinguishable from")
+COMPARE_WORDS = ("lower than", "higher than", "level with")
+INTERVAL_COLUMNS = {"ppl_ci": ("ppl_ci_low", "ppl_ci_high", ".2f"),
+                    "ppl_delta_ci": ("ppl_delta_ci_low", "ppl_delta_ci_high", "+.2f")}
+HEADER = ("## Findings\n\n*Generated from the rows above by the experiment's `findings` template: every number and "
+          "every comparison word is computed from the stored rows, so a rerun rewrites them. The Δppl % of one run "
+          "against another comes with its paired 95% bootstrap interval over the windows in brackets, and the two "
+          "are called not distinguishable when that interval includes 0; other comparisons are of point values.*")
+
+
+class FindingsError(ValueError):
+    """A template that does not parse, or does not fit the rows."""
+
+
+@dataclass(frozen=True)
+class Placeholder:
+    text: str  # as written, for messages
+    run: str
+    kind: str = "value"  # value | delta | verdict | compare | relative
+    other: str | None = None  # B of "A vs B"
+    column: str | None = None
+    fmt: str | None = None
+    words: tuple[str, str, str] | None = None  # lower, higher, same
+
+    def runs(self) -> list[str]:
+        return [self.run] + ([self.other] if self.other else [])
+
+
+def _check_format(fmt: str, where: str) -> str:
+    for probe in (1.5, "x"):
+        try:
+            format(probe, fmt)
+            return fmt
+        except (ValueError, TypeError):
+            pass
+    raise FindingsError(f"{where}: {fmt!r} is not a Python format spec (e.g. .2f, +.1f, .3g, ,.0f)")
+
+
+def _words(arg: str, default: tuple, where: str) -> tuple[str, str, str]:
+    if not arg:
+        return default
+    words = tuple(w.strip() for w in arg.split("|"))
+    if len(words) != 3 or not all(words):
+        raise FindingsError(f"{where}: custom words are three, LOWER|HIGHER|SAME, got {arg!r}")
+    return words
+
+
+def _placeholder(inner: str) -> Placeholder:
+    where = f"findings placeholder {{{inner}}}"
+    if " vs " in inner:
+        a, rest = inner.split(" vs ", 1)
+        b, _, spec = rest.partition(":")
+        field, _, arg = spec.partition(":")
+        a, b, field, arg = a.strip(), b.strip(), field.strip() or "delta", arg.strip()
+        if not a or not b:
+            raise FindingsError(f"{where}: write a comparison as {{RUN vs OTHER}}")
+        if field == "delta":
+            return Placeholder(inner, a, "delta", b, fmt=_check_format(arg or "+.1f", where))
+        if field == "verdict":
+            return Placeholder(inner, a, "verdict", b, words=_words(arg, VERDICT_WORDS, where))
+        if arg and "|" not in arg:
+            return Placeholder(inner, a, "relative", b, column=field, fmt=_check_format(arg, where))
+        return Placeholder(inner, a, "compare", b, column=field, words=_words(arg, COMPARE_WORDS, where))
+    parts = [p.strip() for p in inner.split(":", 2)]
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        raise FindingsError(f"{where}: expected {{RUN:COLUMN}}, {{RUN:COLUMN:FORMAT}} or {{RUN vs OTHER}}")
+    fmt = _check_format(parts[2], where) if len(parts) == 3 and parts[2] else None
+    return Placeholder(inner, parts[0], "value", column=parts[1], fmt=fmt)
+
+
+def parse(template: str) -> list[str | Placeholder]:
+    """Template text -> literal strings and Placeholders, in order.
+
+    >>> parse("ppl {fp32:ppl:.1f} {{x}}")  # ['ppl ', Placeholder(run='fp32', column='ppl', fmt='.1f'), ' ', '{x}']
+    """
+    out, pos = [], 0
+    for m in _TOKEN.finditer(template):
+        out.append(template[pos:m.start()])
+        token, pos = m.group(0), m.end()
+        if token in ("{{", "}}"):
+            out.append(token[0])
+        elif m.group(1) is None:
+            line = template.count("\n", 0, m.start()) + 1
+            raise FindingsError(f"findings line {line}: a lone {token!r} (write {token * 2} for a literal brace; "
+                                "placeholders sit on one line)")
+        else:
+            out.append(_placeholder(m.group(1)))
+    out.append(template[pos:])
+    return [p for p in out if p != ""]
+
+
+def check_runs(template: str, known, where: str = "findings") -> None:
+    """Raise unless every run a template names is in `known` (run names and seed-group names)."""
+    known = set(known)
+    for p in parse(template):
+        if isinstance(p, Placeholder):
+            bad = [r for r in p.runs() if r not in known]
+            if bad:
+                raise FindingsError(f"{where}: placeholder {{{p.text}}} names unknown run {bad[0]!r}; "
+                                    f"known: {', '.join(sorted(known))}")
+
+
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _format(value, fmt: str | None) -> str:
+    if _missing(value):
+        return "–"
+    if hasattr(value, "item"):  # numpy scalars -> Python ones
+        value = value.item()
+    if fmt is None:
+        fmt = "{}"
+        if isinstance(value, float):
+            fmt = "{:.0f}" if value.is_integer() else "{:.4g}"
+    return fmt.format(value) if "{" in fmt else format(value, fmt)
+
+
+def _value(row: dict, name: str, column: str, p: Placeholder) -> object:
+    if column not in row:
+        raise FindingsError(f"findings placeholder {{{p.text}}}: run {name!r} has no column {column!r}; "
+                            f"known: {', '.join(sorted(list(row) + list(INTERVAL_COLUMNS)))}")
+    return row[column]
+
+
+def _render_value(p: Placeholder, rows: dict, formats: dict) -> str:
+    row = rows[p.run]
+    if p.column in INTERVAL_COLUMNS:
+        low, high, default = INTERVAL_COLUMNS[p.column]
+        lo, hi = row.get(low), row.get(high)
+        if _missing(lo) or _missing(hi):
+            return "–"
+        fmt = p.fmt or default
+        return f"[{format(lo, fmt)}, {format(hi, fmt)}]"
+    value = _value(row, p.run, p.column, p)
+    try:
+        return _format(value, p.fmt if p.fmt is not None else formats.get(p.column))
+    except (ValueError, TypeError) as e:
+        raise FindingsError(f"findings placeholder {{{p.text}}}: cannot format {value!r} of column {p.column!r} "
+                            f"({e})") from None
+
+
+def _windows(rows: dict, name: str, p: Placeholder) -> tuple[list, list]:
+    row = rows[name]
+    n_seeds = row.get("n_seeds")
+    if not _missing(n_seeds) and n_seeds > 1:
+        seeds = [n for n, r in rows.items() if r.get("run_group") == name and n != name]
+        raise FindingsError(f"findings placeholder {{{p.text}}}: {name!r} is the mean of {int(n_seeds)} seeds; a "
+                            f"paired interval needs one run's windows: compare a seed's run ({', '.join(seeds)})")
+    nll, tokens = row.get("window_nll"), row.get("window_tokens")
+    if not isinstance(nll, str) or not isinstance(tokens, str):
+        raise FindingsError(f"findings placeholder {{{p.text}}}: run {name!r} has no per-window NLL "
+                            "(window_nll), so no paired interval")
+    return json.loads(nll), json.loads(tokens)
+
+
+def paired(p: Placeholder, rows: dict) -> dict:
+    """stats.paired_delta_interval of p.run against p.other, on their stored windows."""
+    (a_nll, a_tok), (b_nll, b_tok) = _windows(rows, p.run, p), _windows(rows, p.other, p)
+    if a_tok != b_tok:
+        raise FindingsError(f"findings placeholder {{{p.text}}}: runs {p.run!r} and {p.other!r} were evaluated on "
+                            f"different windows ({len(a_tok)} vs {len(b_tok)} windows, or other lengths): "
+                            "no paired interval")
+    return stats.paired_delta_interval(a_nll, b_nll, a_tok)
+
+
+def _pair_values(p: Placeholder, rows: dict) -> tuple[float, float]:
+    a, b = _value(rows[p.run], p.run, p.column, p), _value(rows[p.other], p.other, p.column, p)
+    for name, v in ((p.run, a), (p.other, b)):
+        if _missing(v) or isinstance(v, (str, bool)):
+            raise FindingsError(f"findings placeholder {{{p.text}}}: run {name!r} has no number in column "
+                                f"{p.column!r} ({v!r})")
+    return a, b
+
+
+def _render_compare(p: Placeholder, rows: dict, formats: dict) -> str:
+    a, b = _pair_values(p, rows)
+    if p.kind == "relative":
+        if b == 0:
+            raise FindingsError(f"findings placeholder {{{p.text}}}: {p.other!r} has {p.column} = 0, "
+                                "so no relative change")
+        return format((a / b - 1) * 100, p.fmt)
+    fmt = formats.get(p.column)
+    if fmt is not None and _format(a, fmt) == _format(b, fmt):  # equal at the precision the table shows
+        return p.words[2]
+    return p.words[2] if a == b else p.words[0] if a < b else p.words[1]
+
+
+def render_placeholder(p: Placeholder, rows: dict, formats: dict) -> str:
+    if p.kind == "value":
+        return _render_value(p, rows, formats)
+    if p.kind in ("compare", "relative"):
+        return _render_compare(p, rows, formats)
+    d = paired(p, rows)
+    if p.kind == "verdict":
+        return p.words[2] if not d["excludes_zero"] else p.words[0] if d["high"] < 0 else p.words[1]
+    f = p.fmt
+    return f"{format(d['delta_pct'], f)}% [{format(d['low'], f)}, {format(d['high'], f)}]"
+
+
+def render(template: str, rows: dict[str, dict], formats: dict[str, str] | None = None) -> str:
+    """Fill a template from {run name: report row}; `formats` holds each column's default format ("{:.3f}").
+
+    Raises FindingsError naming the placeholder for an unknown run or column, or runs without shared windows.
+    """
+    formats = formats or {}
+    out = []
+    for p in parse(template):
+        if isinstance(p, str):
+            out.append(p)
+            continue
+        bad = [r for r in p.runs() if r not in rows]
+        if bad:
+            raise FindingsError(f"findings placeholder {{{p.text}}}: no row for run {bad[0]!r}; "
+                                f"rows: {', '.join(rows)}")
+        out.append(render_placeholder(p, rows, formats))
+    return "".join(out)
+
+
+def report_rows(df, summary) -> dict[str, dict]:
+    """{name: row} for every run of a report, plus each seed group's summary row under the group's name."""
+    rows = {r["run"]: r for r in df.to_dict("records")}
+    for r in summary.to_dict("records"):
+        rows.setdefault(r["run"], r)
+    if "run_group" in df:  # a group of one seed run ("x-seed0"): its group name points at that run
+        for group, g in df.groupby("run_group", sort=False):
+            if len(g) == 1:
+                rows.setdefault(group, rows[g["run"].iloc[0]])
+    return rows
+
+
+def findings_section(template: str, df, summary, formats: dict[str, str]) -> str:
+    """The report's Findings section ("" without a template).
+
+    Runs that have no row (failed, or not run yet) leave the section unrendered with a note saying so;
+    any other mismatch (an unknown column, runs on different windows) raises FindingsError.
+    """
+    if not template.strip():
+        return ""
+    rows = report_rows(df, summary)
+    absent = sorted({r for p in parse(template) if isinstance(p, Placeholder) for r in p.runs() if r not in rows})
+    if absent:
+        return (HEADER + f"\n\n**Not generated:** the template names run(s) {', '.join(absent)} that have no row in "
+                "this report (failed, or not run yet); rerun the experiment to fill it in.")
+    return HEADER + "\n\n" + render(template, rows, formats).strip()
