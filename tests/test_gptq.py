@@ -136,5 +136,5 @@ def test_stages_of_the_tiny_llama_block(tiny_model, true_sequential):
     stages = _stages(model.model.layers[0], config, "llama")
     expected = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
                 ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
-    assert stages == (expected if true_sequential else [sum(expected, [])])
+    assert stages == (expected if true_sequential else [[n for stage in expected for n in stage]])
     assert _stages(model.model.layers[1], config, "llama") == []

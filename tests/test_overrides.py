@@ -59,7 +59,7 @@ def test_overrides_set_each_layers_grid_and_dequant_exactly(tiny_model):
 
 
 def test_overrides_reach_gptq_awq_and_dynamic_bases(tiny_model):
-    model, tok = tiny_model
+    model, _ = tiny_model
     calib = [torch.randint(0, 300, (1, 32), generator=torch.Generator().manual_seed(i)) for i in range(4)]
     with torch.no_grad():
         ref = model(calib[0]).logits

@@ -326,7 +326,7 @@ def test_lr_schedule_warms_up_then_decays_to_min():
     # cosine from 1 at step 2 towards 0.1 over the 8 remaining steps: 0.1 + 0.45 (1 + cos(pi k / 8))
     assert f[6] == pytest.approx(0.55, rel=1e-12)  # halfway: cos(pi / 2) = 0
     assert f[9] == pytest.approx(0.1 + 0.45 * (1 - math.cos(math.pi / 8)), rel=1e-12)  # 0.1343, 7/8 of the way
-    assert all(a > b for a, b in zip(f[2:], f[3:]))
+    assert all(a > b for a, b in itertools.pairwise(f[2:]))
 
 
 # ---- runner ------------------------------------------------------------------------------------------
