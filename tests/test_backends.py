@@ -178,6 +178,7 @@ def test_runner_exports_runs_with_a_backend_and_says_so(tiny_model_dir, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.needs_model("smollm2-135m")
 @pytest.mark.parametrize("kernel,spec", [
     ("int8_weight_only", {"method": "rtn", "bits": 8}),
     ("int8_dynamic", {"method": "dynamic"}),

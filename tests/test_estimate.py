@@ -91,6 +91,7 @@ def test_unknown_and_unsupported_models(tmp_path, capsys):
     assert "unknown model" in capsys.readouterr().err
 
 
+@pytest.mark.needs_model("smollm2-135m")
 def test_smollm2_reads_only_the_config():
     est = estimate_memory("smollm2-135m", seq_len=2048, batch=1)
     assert est.quant_params + est.float_params == 134_515_008  # SmolLM2-135M's parameter count (tied)
@@ -98,6 +99,7 @@ def test_smollm2_reads_only_the_config():
 
 
 @pytest.mark.slow
+@pytest.mark.needs_model("smollm2-135m")
 @pytest.mark.parametrize("name,spec", [
     ("fp32", None),
     ("int8", {"method": "rtn", "bits": 8}),

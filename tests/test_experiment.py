@@ -1,12 +1,11 @@
 """Experiment files validate before loading; the runner writes rows at once, resumes and reports."""
 import json
-import tomllib
 
 import pandas as pd
 import pytest
 
 from quantlab.cli import main
-from quantlab.core.registry import get_method, make_config, method_versions, non_default_fields
+from quantlab.core.registry import get_method, known_methods, make_config, method_versions, non_default_fields
 from quantlab.runs import runner
 from quantlab.runs.experiment import load_experiment, parse_experiment
 
@@ -115,7 +114,12 @@ def test_runner_writes_rows_resumes_and_reports(tiny_model_dir, tmp_path, monkey
     csv = pd.read_csv(tmp_path / "tiny.csv")
     assert REPORT_COLUMNS <= set(csv.columns)
     base = csv.iloc[0]
-    assert base["ppl_delta_pct"] == 0 and base["weight_ratio"] == 1 and abs(base["kl_mean"]) < 1e-6
+    for i in (1, 2):  # ratio columns vs the baseline row, recomputed from the CSV's own measurements
+        row = csv.iloc[i]
+        assert row["ppl_delta_pct"] == pytest.approx((row["ppl"] / base["ppl"] - 1) * 100, rel=1e-9, abs=1e-9)
+        assert row["weight_ratio"] == pytest.approx(row["weight_bytes"] / base["weight_bytes"], rel=1e-12)
+        assert row["decode_speedup"] == pytest.approx(base["decode_ms_per_token_p50"] / row["decode_ms_per_token_p50"],
+                                                      rel=1e-9)
     assert (csv["weight_bytes"].iloc[1:] < base["weight_bytes"]).all()
     assert csv.loc[1, "kl_mean"] < csv.loc[2, "kl_mean"]
     md = (tmp_path / "tiny.md").read_text()
@@ -175,14 +179,19 @@ method = "rtn"
 bits = 4
 group_size = 16
 """)
-    assert tomllib.loads(exp_file.read_text())["name"] == "tiny_cli"
     assert main(["-q", "run", str(exp_file), "--reports-dir", str(tmp_path)]) == 0
-    assert (tmp_path / "tiny_cli.csv").exists() and "wrote" in capsys.readouterr().out
-    assert main(["list"]) == 0 and "rtn" in capsys.readouterr().out
+    assert "wrote" in capsys.readouterr().out
+    csv = pd.read_csv(tmp_path / "tiny_cli.csv")  # the file's runs, as the file defines them
+    assert list(csv["run"]) == ["fp32", "w4"] and list(csv["method"]) == ["none", "rtn"]
+    assert (csv["bits"].iloc[1], csv["group_size"].iloc[1], csv["eval_windows"].iloc[1]) == (4, 16, 2)
+    assert main(["list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in known_methods()) and len(known_methods()) >= 8
     exp_file.write_text(exp_file.read_text().replace('method = "rtn"', 'method = "rtm"'))
     assert main(["run", str(exp_file), "--reports-dir", str(tmp_path)]) == 1
     assert "unknown method 'rtm'; known: " in capsys.readouterr().err
     assert main(["run", str(tmp_path / "missing.toml")]) == 1
+    assert "missing.toml" in capsys.readouterr().err
 
 
 def test_run_key_ignores_fields_left_at_their_defaults(tiny_model_dir):

@@ -1,6 +1,7 @@
 """Mixed-precision solver: exact vs brute force, within budget, clear range errors, runnable output."""
 import itertools
 import json
+import math
 import random
 
 import pytest
@@ -46,14 +47,19 @@ def test_optimal_against_brute_force(seed):
         assert sum(v[j] for v, j in zip(values, picks)) == pytest.approx(_brute_force(costs, values, budget), abs=1e-12)
 
 
-def test_coarse_cost_unit_stays_within_budget():
-    rng = random.Random(0)
+@pytest.mark.parametrize("seed", range(3))
+def test_coarse_cost_unit_stays_within_budget_and_near_optimal(seed):
+    """Costs rounded up to a unit u (capacity / max_states): the plan fits the true budget, and is at least
+    as good as the brute-force optimum with n·u less budget (any such assignment fits the rounded problem)."""
+    rng = random.Random(seed)
     costs = [sorted(rng.randint(1000, 90000) for _ in range(3)) for _ in range(8)]
     values = [sorted((rng.random() for _ in range(3)), reverse=True) for _ in range(8)]
     budget = sum(c[1] for c in costs)
     picks, exact = solve_mckp(costs, values, budget, max_states=50)
     assert not exact and sum(c[j] for c, j in zip(costs, picks)) <= budget
-    assert sum(v[j] for v, j in zip(values, picks)) <= sum(v[0] for v in values)  # no worse than all-cheapest
+    unit = math.ceil((budget - sum(c[0] for c in costs)) / 50)
+    got = sum(v[j] for v, j in zip(values, picks))
+    assert got <= _brute_force(costs, values, budget - len(costs) * unit) + 1e-12
 
 
 def test_budget_below_cheapest_fails():

@@ -4,6 +4,7 @@ import torch
 
 from quantlab.core.observers import (
     OBSERVERS,
+    HessianObserver,
     MovingAverageMinMaxObserver,
     MSEObserver,
     PercentileObserver,
@@ -189,3 +190,37 @@ def test_unknown_observer_lists_known_and_empty_observer_fails():
     assert {"moving_average", "percentile", "mse"} <= set(OBSERVERS)
     with pytest.raises(ValueError, match="percentile observer of x saw no data"):
         PercentileObserver(where="x").range()
+
+
+def test_hessian_is_two_over_n_sum_of_xtx_over_all_rows():
+    """Batches of 10, 7 and 3 rows (2-D and 3-D): H = 2/n Σ xᵀx over all n = 20 rows, not a mean of
+    per-batch means. Reference: float64 over the concatenated rows; tolerance: the fp32 running mean
+    (rescaled each batch) vs float64, 1e-6 of the largest entry."""
+    gen = torch.Generator().manual_seed(0)
+    scales = torch.linspace(0.1, 5.0, 16)  # uneven channels, so a wrong weighting shows
+    batches = [torch.randn(2, 5, 16, generator=gen) * scales, torch.randn(7, 16, generator=gen) * scales + 1.0,
+               torch.randn(1, 3, 16, generator=gen) * 3 * scales]
+    obs = HessianObserver()
+    for x in batches:
+        obs.update(x)
+    rows = torch.cat([x.reshape(-1, 16) for x in batches]).double()
+    ref = 2 * rows.T @ rows / rows.shape[0]
+    assert int(obs.samples) == 20
+    h = obs.compute("model.layers.0.self_attn.q_proj")
+    assert h.dtype == torch.float32 and h.shape == (16, 16)
+    torch.testing.assert_close(h.double(), ref, rtol=0, atol=1e-6 * float(ref.abs().max()))
+    per_batch_mean = sum(2 * b.reshape(-1, 16).double().T @ b.reshape(-1, 16).double() / b[..., 0].numel()
+                         for b in batches) / len(batches)
+    assert (h.double() - per_batch_mean).abs().max() > 1e-2 * ref.abs().max()  # the test tells the two apart
+
+
+def test_hessian_errors_name_the_layer():
+    with pytest.raises(ValueError, match="hessian observer of model.layers.2.mlp.up_proj saw no data"):
+        HessianObserver().compute("model.layers.2.mlp.up_proj")
+    obs = HessianObserver()
+    obs.update(torch.randn(4, 8))
+    x = torch.randn(3, 8)
+    x[1, 2] = float("inf")
+    obs.update(x)
+    with pytest.raises(ValueError, match=r"hessian observer of model\.layers\.2\.mlp\.up_proj: NaN/Inf"):
+        obs.compute("model.layers.2.mlp.up_proj")

@@ -2,6 +2,7 @@
 import copy
 import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -322,7 +323,10 @@ def test_lr_schedule_warms_up_then_decays_to_min():
     s = _qat(steps=10, warmup_steps=2, min_lr_ratio=0.1).settings
     f = [s.lr_factor(i) for i in range(10)]
     assert f[0] == pytest.approx(1 / 3) and f[1] == pytest.approx(2 / 3) and f[2] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(f[2:], f[3:])) and f[-1] > 0.1
+    # cosine from 1 at step 2 towards 0.1 over the 8 remaining steps: 0.1 + 0.45 (1 + cos(pi k / 8))
+    assert f[6] == pytest.approx(0.55, rel=1e-12)  # halfway: cos(pi / 2) = 0
+    assert f[9] == pytest.approx(0.1 + 0.45 * (1 - math.cos(math.pi / 8)), rel=1e-12)  # 0.1343, 7/8 of the way
+    assert all(a > b for a, b in itertools.pairwise(f[2:]))
 
 
 # ---- runner ------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from quantlab import make_config
 from quantlab.mixed import sensitivity
 from quantlab.mixed.sensitivity import SuffixEvaluator, make_units, validation_windows
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.needs_model("smollm2-135m")]
 
 W3 = {"method": "rtn", "bits": 3, "group_size": 64, "symmetric": False}
 

@@ -35,6 +35,7 @@ def _ppl(smol, spec):
     return quantlab.perplexity(m, windows, progress=False)["ppl"]
 
 
+@pytest.mark.needs_model("smollm2-135m")
 def test_smollm2_gptq_and_awq_beat_rtn_at_w4_g64(smol):
     rtn = _ppl(smol, _rtn(4, 64))
     gptq = _ppl(smol, {**_rtn(4, 64), "method": "gptq", "true_sequential": False})
@@ -52,6 +53,7 @@ def minilm(wikitext_dir):
     return model, tok, sentences, mean_pooled_embeddings(model, tok, sentences, progress=False), calib
 
 
+@pytest.mark.needs_model("minilm-l6")
 @pytest.mark.parametrize("bits", [4, 3])
 def test_minilm_gptq_and_awq_beat_rtn_embedding_cosine(minilm, bits):
     model, tok, sentences, ref, calib = minilm

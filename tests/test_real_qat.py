@@ -11,7 +11,7 @@ import torch
 import quantlab
 from quantlab.models.data import calibration_windows, eval_windows, load_token_ids
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.needs_model("smollm2-135m")]
 
 RTN3 = {"method": "rtn", "bits": 3, "group_size": 64, "symmetric": False}
 

@@ -107,7 +107,8 @@ def test_cli_reads_the_validation_split_never_test(tiny_model_dir, tmp_path, mon
     assert seen == ["validation"]
     csv = pd.read_csv(tmp_path / "tiny.sensitivity.csv")
     assert len(csv) == 14 and set(csv["split"]) == {"validation"} and set(csv["windows"]) == {2}
-    assert (tmp_path / "tiny.sensitivity.png").stat().st_size > 0
+    png = (tmp_path / "tiny.sensitivity.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png.endswith(b"IEND\xaeB`\x82")  # a whole PNG, not just a file
     assert main(argv[:-4] + ["--split", "test", "--reports-dir", str(tmp_path)]) == 1  # refused, clear error
     assert seen == ["validation"]
 

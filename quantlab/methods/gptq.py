@@ -135,7 +135,7 @@ def _stages(block, config: GPTQConfig, model_type: str | None) -> list[list[str]
     """Names (relative to the block) of selected QuantLinear layers, in quantization stages."""
     layers = [n for n, m in block.named_modules() if isinstance(m, QuantLinear)]
     if not config.true_sequential or model_type not in ARCH:
-        return [layers]
+        return [layers] if layers else []  # a block with nothing selected needs no Hessian pass
     stages = [[c for c in group.consumers if c in layers] for group in ARCH[model_type]["groups"]]
     stages = [s for i, s in enumerate(stages) if s and s not in stages[:i]]
     rest = [n for n in layers if not any(n in s for s in stages)]
