@@ -6,7 +6,9 @@ model is loaded and freed heap is returned to the OS (malloc_trim; Linux /proc/s
 resets VmHWM), so peak_rss_mib is the peak of inference itself (weights + KV cache + activations +
 framework); the peak while loading is reported too (load_peak_rss_mib). A short warm-up pass runs
 before the reset, so one-time kernel initialization counts as loaded memory (loaded_rss_mib). On CUDA: reset_peak_memory_stats, then
-max_memory_allocated / max_memory_reserved.
+max_memory_allocated / max_memory_reserved. The measured pass is a prefill of prefill_tokens and a
+greedy decode of decode_tokens (KV cache, last-position prefill logits); decode_tokens = 0 is one
+forward as perplexity runs it instead (every position's logits, no KV cache).
 
 Allocator: by default the child runs glibc malloc with a fixed mmap threshold (64 KiB,
 MALLOC_MMAP_THRESHOLD_), so every tensor-sized block is its own mapping and goes back to the OS
@@ -101,6 +103,21 @@ def _load(spec: dict):
     return model, summary
 
 
+def _measured_pass(model, prompt, decode_tokens: int) -> dict:
+    """Prefill + greedy decode as measure_latency runs it; decode_tokens = 0: one forward as perplexity runs
+    it (every position's logits, no KV cache)."""
+    import torch
+
+    from .latency import measure_latency
+
+    if decode_tokens == 0:
+        with torch.inference_mode():
+            model(prompt.to(next(model.parameters()).device), use_cache=False)
+        return {"batch_size": prompt.shape[0], "prefill_tokens": prompt.shape[1], "decode_tokens": 0}
+    lat = measure_latency(model, prompt, decode_tokens, warmup=0, repeats=1)
+    return {"batch_size": lat["batch_size"], "prefill_tokens": prompt.shape[1], "decode_tokens": decode_tokens}
+
+
 def _child(spec: dict) -> dict:
     import gc
 
@@ -135,8 +152,7 @@ def _child(spec: dict) -> dict:
     out["peak_reset"] = _reset_peak_rss()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    lat = measure_latency(model, prompt, int(spec.get("decode_tokens", 32)), warmup=0, repeats=1)
-    out.update(batch_size=lat["batch_size"], prefill_tokens=n, decode_tokens=lat.get("decode_tokens", 0))
+    out.update(_measured_pass(model, prompt, int(spec.get("decode_tokens", 32))))
     if device.type == "cuda":
         out.update(peak_vram_mib=torch.cuda.max_memory_allocated(device) / MIB,
                    peak_vram_reserved_mib=torch.cuda.max_memory_reserved(device) / MIB)
@@ -169,8 +185,9 @@ def measure_peak_memory(spec: dict, timeout_s: float = 900) -> dict:
 def _probe_fields(spec: dict, what: str) -> dict:
     """measure_peak_memory(spec) -> the result-row columns, with words saying what was measured."""
     m = measure_peak_memory(spec)
-    text = (f"isolated process: load the {what}, then one forward of {spec['prefill_tokens']} tokens (batch 1, "
-            f"full logits as in perplexity); peak RSS of that forward, {m['allocator']} allocator")
+    text = (f"isolated process: load the {what}, then one forward of {spec['prefill_tokens']} tokens as perplexity "
+            f"runs it (batch 1, every position's logits, no KV cache); peak RSS of that forward (model included), "
+            f"{m['allocator']} allocator")
     if not m.get("peak_reset"):
         text += "; VmHWM could not be reset, so the peak includes loading"
     row = {"peak_rss_mib": m["peak_rss_mib"], "loaded_rss_mib": m["loaded_rss_mib"], "memory_probe": text}
