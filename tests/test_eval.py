@@ -50,6 +50,82 @@ def test_kl_and_top1_match_a_hand_computed_reference(tiny_model):
     assert got["top1_agree"] == agree / tokens
 
 
+def _quantized_and_float(tiny_model_dir, bits=4):
+    float_model, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
+    q, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
+    quantlab.quantize(q, quantlab.RTNConfig(bits=bits, group_size=32))
+    return q, float_model
+
+
+def test_on_the_fly_reference_equals_the_stored_one_exactly(tiny_model_dir):
+    """Reference: the precomputed list (reference_logprobs). The on-the-fly reference runs the same forward
+    and log_softmax on the same window, so every output is bitwise equal (atol 0)."""
+    q, float_model = _quantized_and_float(tiny_model_dir)
+    windows = _windows(5, 24)
+    stored = perplexity(q, windows, reference_logprobs(float_model, windows[:3], progress=False), progress=False)
+    live = perplexity(q, windows, float_model, progress=False, kl_windows=3)
+    assert live["kl_reference_s"] >= 0
+    for key in ("kl_mean", "top1_agree", "kl_tokens", "ppl", "window_nll"):
+        assert live[key] == stored[key], key
+    assert live["kl_tokens"] == 3 * 24 and live["kl_mean"] > 0
+    every = perplexity(q, windows, float_model, progress=False)  # kl_windows None: all windows
+    assert every["kl_tokens"] == 5 * 24
+    assert "kl_mean" not in perplexity(q, windows, float_model, progress=False, kl_windows=0)
+    with pytest.raises(ValueError, match="kl_windows=2 applies to a reference model; with a list"):
+        perplexity(q, windows, reference_logprobs(float_model, windows[:1], progress=False), kl_windows=2)
+    with pytest.raises(ValueError, match="kl_windows must be an integer >= 0 or None.*got -1"):
+        perplexity(q, windows, float_model, kl_windows=-1)
+
+
+def _max_live_logit_tensors(monkeypatch, q, windows, kl_windows=None, stored=None) -> int:
+    """The most (T, V) tensors (logits, log-probs) alive at once during perplexity(), counted at every
+    forward by weak references to each one perplexity.py creates. stored=k: the list form with k windows."""
+    import sys
+    import weakref
+
+    ppl_module = sys.modules["quantlab.eval.perplexity"]  # the module (the package exports the function by that name)
+    refs, peak = [], [0]
+    real_logits, real_f = ppl_module._logits, ppl_module.F
+
+    class TrackingF:  # torch.nn.functional, recording what log_softmax returns
+        def __getattr__(self, name):
+            return getattr(real_f, name)
+
+        def log_softmax(self, *args, **kwargs):
+            out = real_f.log_softmax(*args, **kwargs)
+            refs.append(weakref.ref(out))
+            return out
+
+    def counting_logits(model, window):
+        peak[0] = max(peak[0], sum(r() is not None for r in refs))
+        out = real_logits(model, window)
+        refs.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(ppl_module, "F", TrackingF())
+    monkeypatch.setattr(ppl_module, "_logits", counting_logits)
+    float_model = q.reference_model
+    reference = float_model if stored is None else reference_logprobs(float_model, windows[:stored], progress=False)
+    peak[0] = 0  # count from the evaluation on (the list already holds its tensors)
+    perplexity(q.model, windows, reference, progress=False, kl_windows=kl_windows)
+    monkeypatch.undo()
+    return peak[0]
+
+
+def test_on_the_fly_reference_memory_does_not_grow_with_kl_windows(tiny_model_dir, monkeypatch):
+    """Counted: (T, V) tensors alive at each forward. Stored log-probs hold one per KL window; the on-the-fly
+    reference holds only the current window's reference log-probs, whatever the number of KL windows."""
+    from types import SimpleNamespace
+
+    q, float_model = _quantized_and_float(tiny_model_dir)
+    pair = SimpleNamespace(model=q, reference_model=float_model)
+    windows = _windows(6, 16)
+    live = [_max_live_logit_tensors(monkeypatch, pair, windows, kl_windows=k) for k in (1, 6)]
+    assert live == [1, 1]  # at a forward, only the reference log-probs of this window
+    stored = [_max_live_logit_tensors(monkeypatch, pair, windows, stored=k) for k in (1, 6)]
+    assert stored == [1, 6]  # the list form: one per stored window (the counter sees them)
+
+
 def test_kl_grows_with_coarser_quantization(tiny_model_dir):
     kls = []
     for bits in (8, 4, 2):

@@ -12,7 +12,7 @@ from quantlab.runs.experiment import load_experiment, parse_experiment
 REPORT_COLUMNS = {
     "run", "method", "scheme", "bits", "group_size", "symmetric", "ppl", "ppl_delta_pct", "kl_mean", "top1_agree",
     "weight_bytes", "weight_mib", "weight_ratio", "bits_per_weight", "prefill_ms_p50", "prefill_ms_p90",
-    "decode_ms_per_token_p50", "decode_ms_per_token_p90", "decode_speedup", "peak_rss_mib", "quantize_s", "eval_s",
+    "decode_ms_per_token_p50", "decode_ms_per_token_p90", "decode_speedup", "quantize_s", "eval_s",
     "backend", "seq_len", "eval_tokens", "eval_windows", "eval_source", "bos", "seed", "device", "torch",
     "transformers", "git_sha", "config",
 }
@@ -113,6 +113,8 @@ def test_runner_writes_rows_resumes_and_reports(tiny_model_dir, tmp_path, monkey
     assert list(df["run"]) == ["fp32", "w8", "w4g32"]
     csv = pd.read_csv(tmp_path / "tiny.csv")
     assert REPORT_COLUMNS <= set(csv.columns)
+    # a CPU process's peak RSS covers its whole life (same number in every row): not a per-run column
+    assert "peak_rss_mib" not in csv.columns and "memory_probe" not in csv.columns
     base = csv.iloc[0]
     for i in (1, 2):  # ratio columns vs the baseline row, recomputed from the CSV's own measurements
         row = csv.iloc[i]

@@ -98,13 +98,11 @@ def _layer_bytes(out_f: int, in_f: int, bits: int, group_size: int | None, symme
 
 
 def load_config(model: str, cache_dir=None):
-    """The model's Hugging Face config only (no weights). Aliases resolve as in load_model."""
-    from transformers import AutoConfig
-
-    from ..models.loading import ALIASES, resolve_model_path
+    """The model's Hugging Face config only: no weights are loaded or converted (models.loading.load_model_config)."""
+    from ..models.loading import ALIASES, load_model_config
 
     try:
-        return AutoConfig.from_pretrained(resolve_model_path(model, cache_dir))
+        return load_model_config(model, cache_dir)
     except (OSError, ValueError) as e:
         raise ValueError(f"unknown model {model!r}: no local config and not reachable on the hub "
                          f"({e.__class__.__name__}); built-in aliases: {', '.join(ALIASES)}") from None

@@ -1,8 +1,12 @@
-"""Weight bytes, true bits per weight, and peak memory (CUDA allocator or process RSS)."""
+"""Weight bytes, true bits per weight, and the CUDA allocator's peak memory per run.
+
+On CPU no in-process peak is reported: a process's peak RSS (ru_maxrss, VmHWM) covers its whole
+life (model loading, every earlier run), so it would be the same number for every run. Per-run
+CPU peaks come from a fresh process: quantlab.eval.memprobe (the runner's [eval] memory = "isolated").
+"""
 from __future__ import annotations
 
-import resource
-import sys
+import gc
 
 import torch
 from torch import nn
@@ -52,18 +56,20 @@ def weight_stats(model: nn.Module) -> dict:
 
 
 def reset_peak_memory(device: torch.device) -> None:
+    """Start a per-run peak on CUDA: free what earlier runs left cached (else the reserved peak starts
+    at their cache), then reset the allocator's peaks to what is allocated now. No-op on CPU."""
     if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_memory_mib(device: torch.device) -> dict:
-    """On CUDA: peak allocated/reserved since reset_peak_memory. On CPU: the process's
-    peak RSS so far (ru_maxrss; it never goes down, so it is an upper bound per run)."""
+    """On CUDA: peak allocated/reserved since reset_peak_memory (every tensor alive then counts too).
+    On CPU: {} (see the module doc: no in-process per-run peak exists)."""
     if device.type == "cuda":
         return {
             "peak_vram_mib": torch.cuda.max_memory_allocated(device) / MIB,
             "peak_vram_reserved_mib": torch.cuda.max_memory_reserved(device) / MIB,
         }
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rss_bytes = rss if sys.platform == "darwin" else rss * 1024
-    return {"peak_rss_mib": rss_bytes / MIB}
+    return {}

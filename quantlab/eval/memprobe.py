@@ -6,7 +6,9 @@ model is loaded and freed heap is returned to the OS (malloc_trim; Linux /proc/s
 resets VmHWM), so peak_rss_mib is the peak of inference itself (weights + KV cache + activations +
 framework); the peak while loading is reported too (load_peak_rss_mib). A short warm-up pass runs
 before the reset, so one-time kernel initialization counts as loaded memory (loaded_rss_mib). On CUDA: reset_peak_memory_stats, then
-max_memory_allocated / max_memory_reserved.
+max_memory_allocated / max_memory_reserved. The measured pass is a prefill of prefill_tokens and a
+greedy decode of decode_tokens (KV cache, last-position prefill logits); decode_tokens = 0 is one
+forward as perplexity runs it instead (every position's logits, no KV cache).
 
 Allocator: by default the child runs glibc malloc with a fixed mmap threshold (64 KiB,
 MALLOC_MMAP_THRESHOLD_), so every tensor-sized block is its own mapping and goes back to the OS
@@ -18,19 +20,24 @@ same configuration's peak then varies by hundreds of MiB between runs (seen: fp3
     row = measure_peak_memory({"model": "smollm2-135m", "prefill_tokens": 512, "decode_tokens": 64})
     row = measure_peak_memory({"quantized_dir": "out/w4", "backend": "torchao", "batch": 8})
     row = measure_peak_memory({"allocate_mib": 256})       # a known allocation, for testing
+    row = isolated_run_memory(quantized, config, "smollm2-135m", seq_len=512)   # the runner's [eval] memory = "isolated"
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 MIB = 2**20
 SPEC_KEYS = {"model", "quantized_dir", "dtype", "backend", "batch", "prefill_tokens", "decode_tokens",
-             "threads", "device", "allocate_mib", "seed", "allocator"}
+             "threads", "device", "allocate_mib", "seed", "allocator", "cache_dir"}
 ALLOCATORS = {"fixed-mmap": {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}, "default": {}}
 
 
@@ -84,7 +91,7 @@ def _load(spec: dict):
     if spec.get("quantized_dir"):
         model = load_quantized(spec["quantized_dir"], device=device)
     else:
-        path = resolve_model_path(spec["model"])
+        path = resolve_model_path(spec["model"], spec.get("cache_dir"))
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(spec.get("dtype", "float32")))
         model = model.to(device).eval()
     backend = spec.get("backend", "simulated")
@@ -94,6 +101,21 @@ def _load(spec: dict):
 
         summary = export_model(model, backend)
     return model, summary
+
+
+def _measured_pass(model, prompt, decode_tokens: int) -> dict:
+    """Prefill + greedy decode as measure_latency runs it; decode_tokens = 0: one forward as perplexity runs
+    it (every position's logits, no KV cache)."""
+    import torch
+
+    from .latency import measure_latency
+
+    if decode_tokens == 0:
+        with torch.inference_mode():
+            model(prompt.to(next(model.parameters()).device), use_cache=False)
+        return {"batch_size": prompt.shape[0], "prefill_tokens": prompt.shape[1], "decode_tokens": 0}
+    lat = measure_latency(model, prompt, decode_tokens, warmup=0, repeats=1)
+    return {"batch_size": lat["batch_size"], "prefill_tokens": prompt.shape[1], "decode_tokens": decode_tokens}
 
 
 def _child(spec: dict) -> dict:
@@ -130,8 +152,7 @@ def _child(spec: dict) -> dict:
     out["peak_reset"] = _reset_peak_rss()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    lat = measure_latency(model, prompt, int(spec.get("decode_tokens", 32)), warmup=0, repeats=1)
-    out.update(batch_size=lat["batch_size"], prefill_tokens=n, decode_tokens=lat.get("decode_tokens", 0))
+    out.update(_measured_pass(model, prompt, int(spec.get("decode_tokens", 32))))
     if device.type == "cuda":
         out.update(peak_vram_mib=torch.cuda.max_memory_allocated(device) / MIB,
                    peak_vram_reserved_mib=torch.cuda.max_memory_reserved(device) / MIB)
@@ -159,6 +180,52 @@ def measure_peak_memory(spec: dict, timeout_s: float = 900) -> dict:
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"memprobe child failed (exit {proc.returncode}) for {spec}: {proc.stderr[-1500:]}")
     return json.loads(lines[-1]) | {"allocator": allocator}
+
+
+def _probe_fields(spec: dict, what: str) -> dict:
+    """measure_peak_memory(spec) -> the result-row columns, with words saying what was measured."""
+    m = measure_peak_memory(spec)
+    text = (f"isolated process: load the {what}, then one forward of {spec['prefill_tokens']} tokens as perplexity "
+            f"runs it (batch 1, every position's logits, no KV cache); peak RSS of that forward (model included), "
+            f"{m['allocator']} allocator")
+    if not m.get("peak_reset"):
+        text += "; VmHWM could not be reset, so the peak includes loading"
+    row = {"peak_rss_mib": m["peak_rss_mib"], "loaded_rss_mib": m["loaded_rss_mib"], "memory_probe": text}
+    return row | {k: m[k] for k in ("peak_vram_mib", "peak_vram_reserved_mib") if k in m}
+
+
+def isolated_run_memory(
+    model, config, model_name: str, seq_len: int, *, quantized: bool = True, dtype: str = "float32",
+    backend: str = "simulated", device: str = "cpu", cache_dir=None, threads: int | None = None,
+) -> dict:
+    """Peak memory of one forward of seq_len tokens of this run's model, measured in a fresh process.
+
+    quantized: the frozen model is written with save_quantized to a temporary directory and the child
+    loads it (load_quantized, then the run's backend); else (the baseline) the child loads model_name
+    in dtype. Returns peak_rss_mib, loaded_rss_mib (on CUDA also peak_vram_*) and memory_probe (what
+    was measured); a model save_quantized cannot write, or a failed child, gives only memory_probe
+    saying so, never an exception: the run's other numbers stand.
+
+    >>> isolated_run_memory(q, RTNConfig(bits=4), "smollm2-135m", seq_len=512, backend="torchao")["peak_rss_mib"]
+    """
+    from ..backends.serialize import save_quantized
+
+    spec = {"prefill_tokens": seq_len, "decode_tokens": 0, "batch": 1, "backend": backend, "device": str(device)}
+    if threads is not None:
+        spec["threads"] = threads
+    try:
+        if not quantized:
+            spec |= {"model": model_name, "dtype": dtype} | ({"cache_dir": str(cache_dir)} if cache_dir else {})
+            return _probe_fields(spec, f"float checkpoint ({dtype})")
+        with tempfile.TemporaryDirectory(prefix="quantlab-memprobe-") as tmp:
+            try:
+                save_quantized(model, tmp, config, model_name)
+            except (ValueError, TypeError) as e:
+                return {"memory_probe": f"not measured: save_quantized cannot write this model ({e})"}
+            return _probe_fields(spec | {"quantized_dir": tmp}, f"saved quantized model (backend {backend})")
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        log.warning("isolated memory probe failed: %s", e)
+        return {"memory_probe": f"not measured: the probe process failed ({str(e)[:300]})"}
 
 
 if __name__ == "__main__":

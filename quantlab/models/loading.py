@@ -79,6 +79,10 @@ def _alias_package_dir(alias: GGUFAlias | PackageDirAlias) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def _converted_dir(name: str, cache_dir: str | Path | None) -> Path:
+    return Path(cache_dir or default_cache_dir()) / "models" / name
+
+
 def convert_gguf_alias(name: str, cache_dir: Path) -> Path:
     """Dequantize the alias's GGUF once into a safetensors checkpoint; returns its directory.
 
@@ -90,7 +94,7 @@ def convert_gguf_alias(name: str, cache_dir: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     alias = ALIASES[name]
-    target = cache_dir / "models" / name
+    target = _converted_dir(name, cache_dir)
     if (target / "quantlab_source.json").exists():
         return target
     pkg_dir = _alias_package_dir(alias)
@@ -125,6 +129,62 @@ def resolve_model_path(name_or_path: str, cache_dir: str | Path | None = None) -
     if alias is not None:
         return str(convert_gguf_alias(name_or_path, Path(cache_dir or default_cache_dir())))
     return name_or_path
+
+
+# GGUF architectures whose config transformers builds by renaming metadata keys alone (no special cases)
+_PLAIN_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def gguf_config(gguf_path: str | Path):
+    """A GGUF file's model config from its metadata alone: no tensor is read or dequantized.
+
+    transformers' own GGUF config reader (AutoConfig with gguf_file) parses every metadata array,
+    the 49k-token vocabulary included (seconds); this reads the header with transformers' fast
+    metadata reader (strings arrays skipped) and applies the same key renaming
+    (GGUF_CONFIG_MAPPING) and tied-embedding rule. Other architectures, or a transformers without
+    the fast reader, use AutoConfig's GGUF path.
+    """
+    from transformers import AutoConfig
+
+    path = Path(gguf_path)
+    try:
+        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+        from transformers.integrations.gguf import read_gguf_metadata
+    except ImportError:
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    metadata, tensor_names = read_gguf_metadata(str(path))
+    arch = metadata["general.architecture"]
+    if arch not in _PLAIN_GGUF_ARCHS or "mistral" in str(metadata.get("general.name", "")).lower():
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    # llama.cpp writes the output projection only when it is not the embedding matrix
+    fields = {"tie_word_embeddings": "output.weight" not in tensor_names}
+    for key, value in metadata.items():
+        prefix, _, rest = key.partition(".")
+        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        if renamed not in (None, -1):
+            fields[renamed] = value
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def load_model_config(name_or_path: str, cache_dir: str | Path | None = None):
+    """The model's Hugging Face config, without loading (or converting) any weights.
+
+    A GGUF alias reads the converted checkpoint's config.json when the cache has one, else the GGUF
+    file's metadata (gguf_config: nothing is dequantized, nothing written to the cache). Both give
+    the same architecture fields.
+
+    >>> load_model_config("smollm2-135m").num_hidden_layers
+    30
+    """
+    from transformers import AutoConfig
+
+    alias = ALIASES.get(name_or_path)
+    if isinstance(alias, GGUFAlias):
+        converted = _converted_dir(name_or_path, cache_dir)
+        if (converted / "quantlab_source.json").exists():
+            return AutoConfig.from_pretrained(converted)
+        return gguf_config(_alias_package_dir(alias) / alias.gguf_file)
+    return AutoConfig.from_pretrained(resolve_model_path(name_or_path, cache_dir))
 
 
 def is_causal_lm(path: str) -> bool:

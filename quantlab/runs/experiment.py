@@ -34,6 +34,9 @@ def _check_keys(table: dict, cls: type, where: str) -> None:
         raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(valid))}")
 
 
+MEMORY_MODES = ("none", "isolated")
+
+
 @dataclass(frozen=True)
 class EvalProtocol:
     """What to measure: perplexity windows (GPTQ protocol) + KL for causal LMs, or embedding
@@ -52,10 +55,18 @@ class EvalProtocol:
     prefill_tokens: int = 128
     decode_tokens: int = 32
     latency_repeats: int = 3
+    # "none": no per-run CPU memory column (an in-process peak covers the whole process's life);
+    # "isolated": each run's peak RSS of one seq_len forward, in a fresh process (eval/memprobe.py)
+    memory: str = "none"
 
     def __post_init__(self):
         if self.metric not in ("perplexity", "embedding"):
             raise ValueError(f"eval.metric {self.metric!r} unknown; known: perplexity, embedding")
+        if self.memory not in MEMORY_MODES:
+            raise ValueError(f"eval.memory {self.memory!r} unknown; known: {', '.join(MEMORY_MODES)}")
+        if self.memory == "isolated" and self.metric != "perplexity":
+            raise ValueError(f"eval.memory = 'isolated' needs metric = 'perplexity' (the probe loads causal LMs), "
+                             f"got metric {self.metric!r}")
         check_int("eval.seq_len", self.seq_len, 1)
         check_int("eval.num_sentences", self.num_sentences, 1)
         check_int("eval.max_length", self.max_length, 1)

@@ -19,8 +19,10 @@ import torch
 from ..backends import export_for_run
 from ..core.lifecycle import quantize
 from ..core.registry import get_method, method_versions, non_default_fields
-from ..eval import measure_latency, peak_memory_mib, perplexity, reference_logprobs, reset_peak_memory, weight_stats
+from ..eval import measure_latency, peak_memory_mib, perplexity, reset_peak_memory, weight_stats
 from ..eval.embedding import embedding_fidelity, layer_output_errors, mean_pooled_embeddings, sentences_from_text
+from ..eval.memprobe import isolated_run_memory
+from ..eval.perplexity import KL_REFERENCE_ON_THE_FLY
 from ..models.data import calibration_windows, eval_windows, load_text, load_token_ids, tokenize
 from ..models.loading import default_cache_dir, load_model, model_info, resolve_device
 from ..reporting.report import scheme, write_report
@@ -51,7 +53,7 @@ def run_key(exp: Experiment, run: RunSpec, device: torch.device) -> str:
 
 
 class _Context:
-    """Model, token windows and reference logits, built lazily and shared across runs."""
+    """The float model (also the KL reference), token windows and calibration data, shared across runs."""
 
     def __init__(self, exp: Experiment, device, data_dir, cache_dir, progress: bool):
         self.exp, self.device, self.data_dir, self.cache_dir, self.progress = exp, device, data_dir, cache_dir, progress
@@ -71,9 +73,20 @@ class _Context:
         else:
             self.eval_ids, self.eval_source = load_token_ids(e.dataset, e.split, self.tokenizer, data_dir, cache_dir)
             self.windows = eval_windows(self.eval_ids, e.seq_len, e.max_windows, e.max_tokens)
-            k = min(e.kl_windows, len(self.windows))
-            self.reference = reference_logprobs(self.model, self.windows[:k], progress) if k else None
+            # KL reference: ctx.model runs on each KL window right before the evaluated model (perplexity());
+            # nothing is stored, so memory does not grow with kl_windows (stored log-probs: T x V x 4 B each)
+            self.kl_windows = min(e.kl_windows, len(self.windows))
+        self._reference_state = self._model_state()
         self._calib = None
+
+    def _model_state(self) -> tuple:
+        """In-place changes bump a tensor's version: the float model (the KL reference) must stay as loaded."""
+        return self.model.training, tuple((p.data_ptr(), p._version) for p in self.model.parameters())
+
+    def check_reference(self) -> None:
+        if self._model_state() != self._reference_state:
+            raise RuntimeError("the float model (KL reference, baseline) was modified in place by this or an "
+                               "earlier run; runs must quantize a copy")
 
     def _check_length(self, what: str, length: int) -> None:
         if self.max_positions and length > self.max_positions:
@@ -95,9 +108,11 @@ class _Context:
 
 
 def _perplexity_metrics(ctx: _Context, model) -> dict:
-    ppl = perplexity(model, ctx.windows, ctx.reference, ctx.progress)
+    reference = ctx.model if ctx.kl_windows else None
+    ppl = perplexity(model, ctx.windows, reference, ctx.progress, kl_windows=ctx.kl_windows if reference else None)
     return {"ppl": ppl["ppl"], "nll_mean": ppl["nll_mean"], "kl_mean": ppl.get("kl_mean"),
             "top1_agree": ppl.get("top1_agree"), "kl_tokens": ppl.get("kl_tokens", 0),
+            "kl_reference": KL_REFERENCE_ON_THE_FLY if reference else None, "kl_reference_s": ppl.get("kl_reference_s"),
             "predicted_tokens": ppl["predicted_tokens"], "eval_windows": len(ctx.windows),
             "eval_tokens": ctx.windows.numel(), "seq_len": ctx.exp.eval.seq_len,
             # per-window NLL sums and predicted tokens: bootstrap intervals are computed from stored rows
@@ -116,6 +131,19 @@ def _embedding_metrics(ctx: _Context, model) -> dict:
             "layer_rel_err": json.dumps({k: round(v, 6) for k, v in errors.items()})}
 
 
+IN_PROCESS_CUDA = ("in-process CUDA allocator peak from just before this run's evaluation to the end of its latency "
+                   "passes; the float model (baseline, KL reference run window by window) and this run's model are "
+                   "both resident")
+
+
+def _isolated_memory(ctx: _Context, run: RunSpec, model, method_name: str) -> dict:
+    """[eval] memory = "isolated": one forward of seq_len tokens of this run's model in a fresh process."""
+    exp = ctx.exp
+    return isolated_run_memory(model, run.config, exp.model, exp.eval.seq_len, quantized=method_name != "none",
+                               dtype=exp.dtype, backend=run.backend, device=str(ctx.device),
+                               cache_dir=ctx.cache_dir, threads=torch.get_num_threads())
+
+
 def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
     exp = ctx.exp
     seed = exp.seed if run.seed is None else run.seed
@@ -130,16 +158,21 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
                        training=calib if needs_train else None,
                        teacher=ctx.model if method.needs_teacher_for(run.config) else None,
                        checkpoint_dir=checkpoints if needs_train else None, progress=ctx.progress)
+    isolated = _isolated_memory(ctx, run, model, method.name) if exp.eval.memory == "isolated" else {}
     exported = export_for_run(model, run.backend, method.name, ctx.eval_ids[:64].unsqueeze(0))
-    reset_peak_memory(ctx.device)
+    ctx.check_reference()
+    reset_peak_memory(ctx.device)  # CUDA: the measured phase (evaluation + latency) starts here
     t0 = time.perf_counter()
     row = (_embedding_metrics if exp.eval.metric == "embedding" else _perplexity_metrics)(ctx, model)
-    row["eval_s"] = time.perf_counter() - t0
+    row["eval_s"] = time.perf_counter() - t0 - (row.get("kl_reference_s") or 0.0)  # this model's evaluation
     if exp.eval.latency:
         prompt = ctx.eval_ids[: exp.eval.prefill_tokens].unsqueeze(0)
         new_tokens = exp.eval.decode_tokens if exp.eval.metric == "perplexity" else 0
         row.update(measure_latency(model, prompt, new_tokens, repeats=exp.eval.latency_repeats))
-    row.update(peak_memory_mib(ctx.device))
+    if isolated:  # every memory column from the fresh process (or memory_probe saying why there are none)
+        row.update(isolated)
+    elif ctx.device.type == "cuda":  # CPU: no in-process per-run peak exists (eval/memory.py)
+        row.update(peak_memory_mib(ctx.device), memory_probe=IN_PROCESS_CUDA)
     row.update(weight_stats(model))
     row.update({k: v for k, v in summary.items() if k.endswith("_s") or k.startswith("train_")})
     row.update(summary["diagnostics"])  # what calibrate() reported, e.g. AWQ's chosen alphas
