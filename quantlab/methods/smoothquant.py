@@ -72,8 +72,7 @@ _UNSUPPORTED_WHY = {
     "awq": "AWQ searches and folds its own scales into the same groups right after smoothing, with a "
            "weight-only loss, so the model would hold neither SmoothQuant's migration nor AWQ's, and "
            "alpha='search' could not simulate it",
-    "qat": "SmoothQuant has no train phase, so QAT would never train (use qat with its own base instead)",
-}
+}  # a training base (qat) is already refused by dynamic / static themselves
 
 
 @dataclass(frozen=True)
