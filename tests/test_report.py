@@ -304,3 +304,18 @@ def test_compare_ignores_fields_added_later_with_their_default():
     assert _config_key(old) == _config_key(new)
     assert _config_key(old) != _config_key(old.replace('"bits": 4', '"bits": 3'))
     assert _config_key("not json") == "not json"
+
+
+def test_lifetime_peak_rss_of_old_rows_is_left_out():
+    """peak_rss_mib of rows without an isolated memory probe was the runner process's lifetime peak (the same
+    number in every row): the report drops it; a peak measured in an isolated process is kept as measured."""
+    from quantlab.reporting.report import drop_lifetime_peaks
+
+    old = pd.DataFrame({"run": ["a", "b"], "peak_rss_mib": [2908.0, 2908.0]})
+    assert "peak_rss_mib" not in drop_lifetime_peaks(old)
+    mixed = pd.DataFrame({"run": ["a", "b", "c"], "peak_rss_mib": [2908.0, 612.5, 700.0],
+                          "memory_probe": [None, "isolated process: load the model, ...", "not measured: x"]})
+    out = drop_lifetime_peaks(mixed)
+    assert out["peak_rss_mib"].tolist()[1] == 612.5
+    assert out["peak_rss_mib"].isna().tolist() == [True, False, True]
+    assert mixed["peak_rss_mib"].tolist() == [2908.0, 612.5, 700.0]  # the input is not modified

@@ -32,6 +32,8 @@ TABLE_COLUMNS = [
     ("weight_mib", "weights MiB", "{:.1f}"),
     ("weight_ratio", "× weights", "{:.3f}"),
     ("bits_per_weight", "bits/w (quantized layers)", "{:.3f}"),
+    ("peak_rss_mib", "peak RSS MiB (isolated)", "{:.0f}"),
+    ("peak_vram_mib", "peak VRAM MiB", "{:.0f}"),
     ("prefill_ms_p50", "prefill ms p50", "{:.1f}"),
     ("decode_ms_per_token_p50", "decode ms/tok p50", "{:.1f}"),
     ("decode_speedup", "× decode speed", "{:.2f}"),
@@ -45,7 +47,8 @@ TABLE_COLUMNS = [
 ]
 # the best value of these columns (among the quantized runs) is bold in the Markdown table
 LOWER_IS_BETTER = {"ppl", "ppl_delta_pct", "kl_mean", "layer_rel_err_mean", "layer_rel_err_max", "weight_mib",
-                   "weight_ratio", "bits_per_weight", "prefill_ms_p50", "decode_ms_per_token_p50"}
+                   "weight_ratio", "bits_per_weight", "prefill_ms_p50", "decode_ms_per_token_p50", "peak_rss_mib",
+                   "peak_vram_mib"}
 HIGHER_IS_BETTER = {"top1_agree", "cos_mean", "cos_p5", "decode_speedup", "prefill_speedup"}
 SEED_METRICS = ["ppl", "ppl_delta_pct", "kl_mean", "top1_agree", "cos_mean", "cos_p5"]  # mean ± std over seeds
 PLOTS = [("ppl_vs_weight_bytes", "weight_bytes", "perplexity vs weight size"),
@@ -238,11 +241,33 @@ def protocol_text(df: pd.DataFrame) -> str:
         f"= {int(r['eval_tokens'])} tokens ({int(r['predicted_tokens'])} predicted) from the start of the split."
     )
     if r.get("kl_tokens"):
-        text += f" KL(baseline ‖ run) and top-1 agreement over the first {int(r['kl_tokens'])} tokens."
+        text += f" KL(baseline ‖ run) and top-1 agreement over the first {int(r['kl_tokens'])} tokens"
+        text += f" (reference: {r['kl_reference']})." if isinstance(r.get("kl_reference"), str) else "."
     if "prefill_tokens" in df and pd.notna(r.get("prefill_tokens")):
         text += (f" Latency: prefill {int(r['prefill_tokens'])} tokens, greedy decode {int(r['decode_tokens'])} "
                  f"tokens, batch {int(r['batch_size'])}, median of {int(r['latency_repeats'])} repeats after warm-up.")
-    return text + _calibration_text(df)
+    return text + _memory_text(df) + _calibration_text(df)
+
+
+def _memory_text(df: pd.DataFrame) -> str:
+    """What the memory columns measured (rows say it in memory_probe)."""
+    if "memory_probe" not in df or df["memory_probe"].isna().all():
+        return ""
+    probes = list(dict.fromkeys(str(p) for p in df["memory_probe"].dropna()))
+    return " Memory: " + "; ".join(probes) + "."
+
+
+def drop_lifetime_peaks(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows recorded before per-run memory existed carry the runner process's lifetime peak RSS in
+    peak_rss_mib (the same number in every row): not a per-run measurement, so it is left out. Only a
+    peak measured in an isolated process (memory_probe says so) is kept."""
+    if "peak_rss_mib" not in df:
+        return df
+    probe = df["memory_probe"] if "memory_probe" in df else pd.Series([None] * len(df), index=df.index)
+    isolated = probe.map(lambda p: isinstance(p, str) and p.startswith("isolated process"))
+    df = df.copy()
+    df.loc[~isolated, "peak_rss_mib"] = float("nan")
+    return df.drop(columns=["peak_rss_mib"]) if df["peak_rss_mib"].isna().all() else df
 
 
 def _calibration_text(df: pd.DataFrame) -> str:
@@ -312,7 +337,7 @@ def write_report(name: str, rows: list[dict], reports_dir: str | Path, descripti
     df = pd.DataFrame(rows)
     if "config" in df:  # derived from the stored config, so older rows get the current wording too
         df["scheme"] = [scheme(json.loads(c), d) for c, d in zip(df["config"], df["dtype"])]
-    df = add_intervals(add_ratios(df))
+    df = add_intervals(add_ratios(drop_lifetime_peaks(df)))
     summary, per_seed = summarize_seeds(df)
     formats = {c: f for c, _, f in TABLE_COLUMNS}
     findings_text = findings_mod.findings_section(findings, df, summary, formats)  # raises before writing
