@@ -185,3 +185,27 @@ def test_static_convert_before_calibrate_fails(tiny_model):
     get_method(config).prepare(model, config)
     with pytest.raises(ValueError, match=r"static: calibrate\(\) must run before convert\(\)"):
         get_method(config).convert(model, config)
+
+
+def test_static_reports_its_activation_ranges_for_the_row():
+    """calibrate() returns the largest max(|lo|, |hi|) over layers, its layer and the median over layers
+    (torch.median: the lower middle value): checked exactly against the inputs each prepared layer receives,
+    recorded by hooks on the same calibration batches."""
+    gen = _gen(11)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.ReLU(), nn.Linear(4, 4))
+    batches = [torch.randn(3, 8, generator=gen) * 5 for _ in range(2)]
+    config = make_config({"method": "static", "base": {"method": "rtn", "bits": 8, "include": ["0", "2", "4"]}})
+    get_method(config).prepare(model, config)
+    seen = {n: [] for n in ("0", "2", "4")}
+    hooks = [model[int(n)].register_forward_pre_hook(lambda m, a, n=n: seen[n].append(a[0])) for n in seen]
+    with torch.no_grad():
+        for b in batches:
+            model(b)  # the prepared (fake-quant) forward: what static's observers see
+    for h in hooks:
+        h.remove()
+    absmax = {n: max(float(torch.cat(xs).min().abs()), float(torch.cat(xs).max().abs())) for n, xs in seen.items()}
+    diag = get_method(config).calibrate(model, config, batches, progress=False)
+    top = max(absmax, key=absmax.get)
+    assert diag["static_range_absmax_max_layer"] == top
+    assert diag["static_range_absmax_max"] == absmax[top]
+    assert diag["static_range_absmax_median"] == sorted(absmax.values())[1]  # the middle of three

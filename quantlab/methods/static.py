@@ -103,13 +103,21 @@ def observed_range(name: str, observer: Observer) -> tuple[torch.Tensor, torch.T
         raise ValueError(msg if name in msg else f"{name}: {msg}") from None
 
 
-def set_static_act_quant(model: nn.Module, observers: dict[str, Observer], bits: int, symmetric: bool) -> None:
-    """Give every observed QuantLinear a StaticActQuant covering its observer's range."""
+def set_static_act_quant(model: nn.Module, observers: dict[str, Observer], bits: int, symmetric: bool) -> dict:
+    """Give every observed QuantLinear a StaticActQuant covering its observer's range.
+
+    Returns a summary of the ranges for the result row: the largest max(|lo|, |hi|) over layers, its
+    layer, and the median over layers (a per-tensor static grid spends its codes on the largest value)."""
+    absmax = {}
     for name, layer in quant_linears(model).items():
         if name not in observers:
             raise ValueError(f"static: no activation statistics for {name}")
         lo, hi = observed_range(name, observers[name])
         layer.act_quant = StaticActQuant.from_range(lo, hi, bits, symmetric)
+        absmax[name] = float(torch.maximum(lo.abs().max(), hi.abs().max()))
+    top = max(absmax, key=absmax.get)
+    return {"static_range_absmax_max": absmax[top], "static_range_absmax_max_layer": top,
+            "static_range_absmax_median": float(torch.tensor(list(absmax.values())).median())}
 
 
 @register_method
@@ -130,8 +138,8 @@ class Static(Method):
         # weights are final after the base's calibrate (fake-quant forward == frozen forward), so the
         # ranges observed here are those the converted model's activations will have
         observers = observe_activations(model, batches, observer_factory(config), progress)
-        set_static_act_quant(model, observers, config.act_bits, config.act_symmetric)
-        return diagnostics
+        ranges = set_static_act_quant(model, observers, config.act_bits, config.act_symmetric)
+        return {**(diagnostics or {}), **ranges}
 
     def convert(self, model, config: StaticConfig) -> None:
         missing = [n for n, m in quant_linears(model).items() if not isinstance(m.act_quant, StaticActQuant)]
