@@ -23,7 +23,6 @@ float weights, as in the AWQ reference, and stay valid while scales are folded.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +35,7 @@ from ..core.primitives import QParams, _grouped, fake_quantize, n_groups, qparam
 from ..core.qlinear import QuantLinear, WeightSpec
 from ..core.registry import Method, as_config, get_method, register_method
 from ..models.arch import ScaleGroup, arch_for
-from .blocks import for_each_block, run_block
+from .blocks import float_weights, for_each_block, run_block
 from .rtn import RTNConfig
 from .smoothing import apply_scale, group_applies
 
@@ -172,19 +171,6 @@ def search_clip(w: torch.Tensor, gram: torch.Tensor, spec: WeightSpec, ratios: l
 
 
 # ---- one block -----------------------------------------------------------------------------
-
-@contextmanager
-def float_weights(layers: dict[str, QuantLinear]):
-    """Prepared QuantLinears compute with their float weights inside the block (restored on exit)."""
-    before = {name: layer.quant_enabled for name, layer in layers.items()}
-    try:
-        for layer in layers.values():
-            layer.quant_enabled = False
-        yield
-    finally:
-        for name, layer in layers.items():
-            layer.quant_enabled = before[name]
-
 
 def _input_stats(block, layers, owners, inputs, kwargs, prefix) -> dict[str, tuple[HessianObserver, MeanAbsObserver]]:
     """Gram and mean|x| of each distinct linear input of the block, from one float forward."""

@@ -1,5 +1,8 @@
 """Block-by-block calibration: capture the inputs of the first block once, then
-walk the blocks, each seeing the outputs of the already-processed blocks before it.
+walk the blocks. Block i+1 sees either block i's outputs after it was processed
+(next_inputs="quantized": GPTQ, errors of earlier blocks carried forward) or its
+float outputs from before (next_inputs="float": the float model's hidden states,
+as llm-awq's run_awq computes `inps = layer(inps)` before scaling and clipping).
 
 Used by GPTQ (sequential layer processing) and AWQ. Memory: one hidden-state
 tensor (1, T, C) per calibration sample, kept on the model's device.
@@ -7,13 +10,17 @@ tensor (1, T, C) per calibration sample, kept on the model's device.
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..core.qlinear import QuantLinear
 from ..models.arch import find_blocks
+
+NEXT_INPUTS = ("quantized", "float")
 
 
 class _StopForward(Exception):
@@ -63,6 +70,24 @@ def capture_block_inputs(model: nn.Module, batches: Iterable[torch.Tensor]) -> t
     return inputs, kwargs
 
 
+@contextmanager
+def float_weights(layers: dict[str, QuantLinear]):
+    """Prepared QuantLinears compute with their float weights inside the block (restored on exit)."""
+    before = {name: layer.quant_enabled for name, layer in layers.items()}
+    try:
+        for layer in layers.values():
+            layer.quant_enabled = False
+        yield
+    finally:
+        for name, layer in layers.items():
+            layer.quant_enabled = before[name]
+
+
+def prepared_linears(block: nn.Module) -> dict[str, QuantLinear]:
+    """The block's QuantLinears that still hold a float weight (not frozen), by name relative to the block."""
+    return {n: m for n, m in block.named_modules() if isinstance(m, QuantLinear) and not m.frozen}
+
+
 @torch.no_grad()
 def run_block(block: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict]) -> list[torch.Tensor]:
     """Outputs of one block for every captured input."""
@@ -72,15 +97,29 @@ def run_block(block: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict]) 
 def for_each_block(
     model: nn.Module, batches: Iterable[torch.Tensor],
     process: Callable[[int, nn.Module, list[torch.Tensor], list[dict]], None], desc: str = "blocks",
-    progress: bool = True,
+    progress: bool = True, next_inputs: str = "quantized",
 ) -> None:
-    """Call process(index, block, inputs, kwargs) block by block; the next block's
-    inputs are this block's outputs *after* process (so later blocks see quantized earlier ones)."""
+    """Call process(index, block, inputs, kwargs) block by block.
+
+    next_inputs="quantized": the next block's inputs are this block's outputs *after* process
+    (later blocks see quantized earlier ones). "float": its outputs *before* process, with its
+    prepared QuantLinears computing in float, so every block sees the float model's hidden states.
+
+    >>> for_each_block(model, calib, lambda i, block, xs, kws: ..., next_inputs="float")
+    """
+    if next_inputs not in NEXT_INPUTS:
+        raise ValueError(f"unknown next_inputs {next_inputs!r}; known: {', '.join(NEXT_INPUTS)}")
     was_training = model.training
     model.eval()
     inputs, kwargs = capture_block_inputs(model, batches)
     blocks = find_blocks(model)
     for i, block in enumerate(tqdm(blocks, desc=desc, leave=False, disable=not progress)):
-        process(i, block, inputs, kwargs)
-        inputs = run_block(block, inputs, kwargs)
+        if next_inputs == "float":
+            with float_weights(prepared_linears(block)):
+                outputs = run_block(block, inputs, kwargs)
+            process(i, block, inputs, kwargs)
+        else:
+            process(i, block, inputs, kwargs)
+            outputs = run_block(block, inputs, kwargs)
+        inputs = outputs
     model.train(was_training)
