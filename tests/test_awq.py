@@ -1,5 +1,6 @@
 """AWQ as the reference defines it (llm-awq): config, the four reference behaviours against brute-force
-and float-model references, diagnostics, the lifecycle on tiny Llama and BERT. Version-1 variants: test_awq_variants.py."""
+and float-model references, diagnostics, the lifecycle on tiny Llama and BERT.
+The version-1 variants: test_awq_variants.py."""
 import copy
 import json
 
@@ -14,7 +15,7 @@ from quantlab.core.qlinear import WeightSpec
 from quantlab.core.registry import config_to_dict, get_method, make_config, method_versions
 from quantlab.methods.awq import AWQConfig, awq_block, float_weights
 from quantlab.methods.awq_search import awq_scale, fake_quant_weight, search_clip_symmetric
-from quantlab.methods.blocks import capture_block_inputs, for_each_block
+from quantlab.methods.blocks import capture_block_inputs
 from quantlab.methods.rtn import RTNConfig
 from quantlab.models.arch import arch_for
 
@@ -242,11 +243,6 @@ def test_next_block_sees_float_or_quantized_outputs(tiny_model, block_inputs):
     for j, x in enumerate(seen):
         assert torch.equal(x, want[j % len(ids)]), j
     assert not torch.equal(float_inputs[0], _block1_inputs(model, ids)[0])  # quantization did change them
-
-
-def test_driver_rejects_unknown_next_inputs(tiny_model):
-    with pytest.raises(ValueError, match=r"unknown next_inputs 'fp32'; known: quantized, float"):
-        for_each_block(tiny_model[0], _ids(n=1), lambda *args: None, next_inputs="fp32")
 
 
 def test_diagnostics_are_small_json_scalars(tiny_model):

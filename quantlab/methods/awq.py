@@ -17,7 +17,9 @@ Per block, with float weights throughout the searches:
 
 Documented differences: the clip loss counts every calibration token (Gram blocks) where llm-awq
 subsamples 512; the grid is the base rtn's (asymmetric ranges include 0, scales rounded to scale_dtype);
-calibration samples run one at a time (the loss is the mean over all of them, as over llm-awq's batch).
+replays stack the calibration samples in batches of up to 8192 tokens where llm-awq runs all of them at
+once (the same mean over every sample; float summation order differs). Computation is in the model's dtype
+for the module forwards and in float32 for Q(W·s)/s, where llm-awq uses fp16 throughout.
 
 Variants (non-default values reproduce quantlab's AWQ version 1 bit for bit):
 - scale_loss = "linear": Σ over the consumers of ‖W X − Q(W·s)(X / s)‖² via the Gram of X;
@@ -48,7 +50,7 @@ from . import awq_search as search
 
 # version 1's public numerics stay importable from here
 from .awq_search import awq_scale, fake_quant_weight, output_sq_error, scaled_error, search_clip, search_scale  # noqa: F401
-from .blocks import block_output, float_weights, for_each_block, prepared_linears, run_block
+from .blocks import ModuleCalls, float_weights, for_each_block, prepared_linears, run_block
 from .rtn import RTNConfig
 from .smoothing import apply_scale, group_applies
 
@@ -112,34 +114,7 @@ class AWQConfig:
 
 
 # ---- the inspected module's output loss (scale_loss = "module") --------------------------------
-
-class InspectedCalls:
-    """Every call a module receives in a forward pass, (args, kwargs), and its output (llm-awq's
-    module2inspect with its org_out), so a candidate scale can be judged by replaying them."""
-
-    def __init__(self, module: nn.Module):
-        self.module, self.calls, self.outputs = module, [], []
-
-    def attach(self) -> list:
-        def pre(_, args, kwargs):
-            self.calls.append((args, dict(kwargs)))
-
-        def post(_, args, out):
-            self.outputs.append(block_output(out))
-
-        return [self.module.register_forward_pre_hook(pre, with_kwargs=True), self.module.register_forward_hook(post)]
-
-    def replay_mse(self) -> float:
-        """mean((org_out − out)²) over every recorded call and element, with the module as it is now."""
-        if not self.calls:
-            raise ValueError(f"awq: the inspected {type(self.module).__name__} was never called in the block")
-        total, count = 0.0, 0
-        for (args, kwargs), org in zip(self.calls, self.outputs):
-            out = block_output(self.module(*args, **kwargs))
-            total += float((org - out).float().pow(2).sum())
-            count += org.numel()
-        return total / count
-
+# blocks.ModuleCalls records the inspected module's calls and outputs in the block's float pass
 
 @contextmanager
 def substituted_weights(layers: list[QuantLinear], weights: list[torch.Tensor]):
@@ -154,7 +129,7 @@ def substituted_weights(layers: list[QuantLinear], weights: list[torch.Tensor]):
             layer.weight = w
 
 
-def search_module_scale(inspected: InspectedCalls, consumers: list[QuantLinear], x_mean_abs: torch.Tensor,
+def search_module_scale(inspected: ModuleCalls, consumers: list[QuantLinear], x_mean_abs: torch.Tensor,
                         n_grid: int = 20) -> tuple[torch.Tensor, float, list[float]]:
     """llm-awq _search_module_scale: (s, α, loss per α), the loss the inspected module's output MSE with the
     consumers computing with Q(W·s)/s. Call it with the block's other layers in float (float_weights)."""
@@ -237,7 +212,7 @@ def awq_block(
         owners.update({c: g.consumers[0] for c in g.consumers})
     inspected = {}
     if config.scale_loss == "module":
-        inspected = {name: InspectedCalls(block.get_submodule(name)) for name in map(inspect_name, usable)}
+        inspected = {name: ModuleCalls(block.get_submodule(name)) for name in map(inspect_name, usable)}
     stats = _block_stats(block, layers, owners, inputs, kwargs, prefix, inspected.values())
     grams = {n: gram_obs.compute(prefix + n) for n, (gram_obs, _) in stats.items()}
 
