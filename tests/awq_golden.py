@@ -3,9 +3,12 @@ golden file so the `awq` variants that name the old behaviour can be checked bit
 
 tests/data/awq_v1_golden.pt was written by `write_golden()` at commit f67e5e4 (torch 2.13.0+cpu, this CPU);
 `legacy` are the fields that select the old behaviour today (empty at f67e5e4, where they did not exist yet).
+The environment it was recorded in is in awq_v1_golden.json: another torch or transformers may initialise the
+tiny models or round differently, so the comparison only holds there.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -14,6 +17,7 @@ import quantlab
 from quantlab.core.registry import make_config
 
 GOLDEN = Path(__file__).parent / "data" / "awq_v1_golden.pt"
+GOLDEN_ENV = GOLDEN.with_suffix(".json")
 
 # name -> (model builder key, awq config fields without the legacy switches, calibration (n, t, vocab))
 CASES = {
@@ -57,5 +61,18 @@ def quantized_state(case: str, legacy: dict) -> dict[str, torch.Tensor]:
             if not any(part in k for part in ("embed", "lm_head"))}
 
 
-def write_golden(legacy: dict) -> None:
+def environment() -> dict:
+    import platform
+
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "machine": platform.machine()}
+
+
+def recorded_environment() -> dict:
+    return {k: v for k, v in json.loads(GOLDEN_ENV.read_text()).items() if k in environment()}
+
+
+def write_golden(legacy: dict, commit: str) -> None:
     torch.save({case: quantized_state(case, legacy) for case in CASES}, GOLDEN)
+    GOLDEN_ENV.write_text(json.dumps({"recorded_at_commit": commit, **environment()}, indent=1) + "\n")
