@@ -21,7 +21,9 @@ Documented differences: the clip loss counts every calibration token (Gram block
 subsamples 512; the grid is the base rtn's (asymmetric ranges include 0, scales rounded to scale_dtype);
 replays stack the calibration samples in batches of up to 8192 tokens where llm-awq runs all of them at
 once (the same mean over every sample; float summation order differs). Computation is in the model's dtype
-for the module forwards and in float32 for Q(W·s)/s, where llm-awq uses fp16 throughout.
+for the module forwards and in float32 for Q(W·s)/s, where llm-awq uses fp16 throughout. Each group's scale
+is folded before the next group is searched (llm-awq searches all, then folds): the same result, since no
+group of the table reads a weight that an earlier group of its block changed.
 
 Variants (non-default values reproduce quantlab's AWQ version 1 bit for bit):
 - scale_loss = "linear": Σ over the consumers of ‖W X − Q(W·s)(X / s)‖² via the Gram of X;
