@@ -5,6 +5,10 @@ linears inside a decoder/encoder block, so a per-channel scale s can be folded
 into the producer (output channels / s) and the consumers (input columns * s)
 leaving the float model unchanged. Names are relative to one block.
 
+`qk`: the linears whose outputs meet in the attention product q·kᵀ. AWQ's clip search
+leaves them unclipped (llm-awq auto_clip_block: the error through the bmm is not the
+per-layer output error the clip search measures).
+
 `producer=None` means there is no foldable producer inside the block (e.g. a
 post-LN BERT block, whose LayerNorm output also feeds the residual): a method
 then applies the scale explicitly at the consumers' input (QuantLinear.input_scale).
@@ -44,12 +48,15 @@ _LLAMA = (
     ScaleGroup("mlp.up_proj", ("mlp.down_proj",), "linear", input_from="linear"),
 )
 
+_LLAMA_QK = ("self_attn.q_proj", "self_attn.k_proj")
+
 ARCH: dict[str, dict] = {
-    "llama": {"blocks": "model.layers", "groups": _LLAMA},
-    "mistral": {"blocks": "model.layers", "groups": _LLAMA},
-    "qwen2": {"blocks": "model.layers", "groups": _LLAMA},
+    "llama": {"blocks": "model.layers", "groups": _LLAMA, "qk": _LLAMA_QK},
+    "mistral": {"blocks": "model.layers", "groups": _LLAMA, "qk": _LLAMA_QK},
+    "qwen2": {"blocks": "model.layers", "groups": _LLAMA, "qk": _LLAMA_QK},
     "opt": {
         "blocks": "model.decoder.layers",
+        "qk": ("self_attn.q_proj", "self_attn.k_proj"),
         "groups": (
             ScaleGroup("self_attn_layer_norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                        inspect="self_attn"),
@@ -60,6 +67,7 @@ ARCH: dict[str, dict] = {
     },
     "bert": {
         "blocks": "encoder.layer",
+        "qk": ("attention.self.query", "attention.self.key"),
         "groups": (
             # post-LN: the LayerNorm output also feeds the residual, so scales stay explicit at the consumers
             ScaleGroup(None, ("attention.self.query", "attention.self.key", "attention.self.value"), "explicit",
