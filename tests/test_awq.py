@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from awq_golden import build_model, calibration_ids
+from awq_v1_reference import build_model, calibration_ids
 from torch import nn
 
 import quantlab

@@ -1,9 +1,9 @@
 """AWQ's version-1 behaviour, kept as the variants scale_loss="linear", clip="minmax", clip_qk=true,
-block_inputs="quantized": bit for bit against the golden recorded before the change, and the numerics of
-those variants against brute-force references."""
+block_inputs="quantized": bit for bit against version 1's code frozen in tests/awq_v1_reference.py (run live),
+and the numerics of those variants against brute-force references."""
 import pytest
 import torch
-from awq_golden import CASES, GOLDEN, environment, quantized_state, recorded_environment
+from awq_v1_reference import CASES, awq_v1_calibrate, build_model, calibration_ids
 
 from quantlab.core.lifecycle import swap_in_quant_linears
 from quantlab.core.qlinear import QuantLinear, WeightSpec
@@ -38,20 +38,38 @@ def _ids(n=4, t=24, vocab=300, seed=0):
 
 # ---- bit for bit against version 1 ------------------------------------------------------------
 
+def _awq_state(case: str, fields: dict | None) -> dict[str, torch.Tensor]:
+    """The frozen state (codes, scales, zeros, folded norms, input scales) after AWQ on a seeded tiny model:
+    quantlab's `awq` with `fields`, or version 1's frozen code when fields is None."""
+    import quantlab
+    from quantlab.core.lifecycle import freeze_all
+    from quantlab.core.registry import make_config
+
+    kind, case_fields, calib = CASES[case]
+    model = build_model(kind)
+    config = make_config({"method": "awq", **case_fields, **(fields or {})})
+    if fields is None:
+        swap_in_quant_linears(model, config.base.selection, config.base.weight_spec, config.base.overrides)
+        awq_v1_calibrate(model, calibration_ids(*calib), config.n_grid, config.clip_grid, config.clip_max_shrink)
+        freeze_all(model)
+    else:
+        quantlab.quantize(model, config, calibration=calibration_ids(*calib), progress=False)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()
+            if not any(part in k for part in ("embed", "lm_head"))}
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_all_variants_reproduce_version_1_bit_for_bit(case):
-    """Reference: tests/data/awq_v1_golden.pt, written by the AWQ code of f67e5e4 (tests/awq_golden.py); atol = 0
-    on every code, scale, zero point, explicit input scale and folded norm. Covers the v -> o group (MHA) and
-    BERT's explicit groups."""
-    if recorded_environment() != environment():
-        pytest.skip(f"golden recorded under {recorded_environment()}, this is {environment()}")
-    golden = torch.load(GOLDEN, weights_only=True)[case]
-    got = quantized_state(case, LEGACY)
-    assert set(got) == set(golden)
-    for key, value in golden.items():
+    """Reference: version 1's AWQ (commit f67e5e4) frozen in tests/awq_v1_reference.py, run on the same machine;
+    atol = 0 on every code, scale, zero point, explicit input scale and folded norm. Covers the v -> o group
+    (MHA) and BERT's explicit groups. The reference defaults must differ from it."""
+    want = _awq_state(case, None)
+    got = _awq_state(case, LEGACY)
+    assert set(got) == set(want)
+    for key, value in want.items():
         assert torch.equal(got[key], value), key
-    default = quantized_state(case, {})
-    assert any(not torch.equal(default[k], golden[k]) for k in golden)  # the reference defaults do differ
+    default = _awq_state(case, {})
+    assert any(not torch.equal(default[k], want[k]) for k in want)
 
 
 def test_minmax_ratio_grid_keeps_its_end_point():
