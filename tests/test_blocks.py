@@ -2,7 +2,7 @@
 batch dim, with the same result as one call at a time."""
 import pytest
 import torch
-from awq_golden import build_model, calibration_ids
+from awq_v1_reference import build_model, calibration_ids
 
 from quantlab.methods.blocks import ModuleCalls, capture_block_inputs, for_each_block, run_block
 
