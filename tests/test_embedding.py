@@ -1,4 +1,6 @@
 """Encoder metric: mean-pooled embedding cosine vs float, per-layer relative error, runner on a tiny BERT."""
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -62,6 +64,8 @@ def test_mean_pooling_and_cosine_vs_hand_computed(tiny_bert_dir):
     # tolerance: float32 cosines vs float64, ~1 ulp at 1.0; w3 moves them by ~9e-5 (measured), 400x that
     assert f["sentences"] == 5 and f["cos_mean"] == pytest.approx(np.mean(cos), abs=2e-7)
     assert f["cos_p5"] == pytest.approx(np.percentile(cos, 5), abs=2e-7) and f["cos_mean"] < 1 - 1e-5
+    stored = json.loads(f["sentence_cos"])  # per sentence, for paired intervals between runs (rounded to 1e-7)
+    assert stored == pytest.approx(cos, abs=2e-7) and np.mean(stored) == pytest.approx(f["cos_mean"], abs=2e-7)
 
 
 def test_layer_output_errors_vs_hand_computed(tiny_bert_dir):

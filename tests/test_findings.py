@@ -45,7 +45,7 @@ def test_parse_forms_and_literal_braces():
     parts = parse("a {fp32:ppl:.1f} {x vs y} {x vs y:verdict:up|down|same} {x vs y:cos_mean} {x vs y:ppl:+.1f} {{z}}")
     ph = [p for p in parts if isinstance(p, Placeholder)]
     assert [(p.kind, p.run, p.other, p.column, p.fmt) for p in ph] == [
-        ("value", "fp32", None, "ppl", ".1f"), ("delta", "x", "y", None, "+.1f"), ("verdict", "x", "y", None, None),
+        ("value", "fp32", None, "ppl", ".1f"), ("delta", "x", "y", None, None), ("verdict", "x", "y", None, None),
         ("compare", "x", "y", "cos_mean", None), ("relative", "x", "y", "ppl", "+.1f")]
     assert ph[2].words == ("up", "down", "same") and ph[3].words == ("lower than", "higher than", "level with")
     assert "".join(p if isinstance(p, str) else "#" for p in parts) == "a # # # # # {z}"
@@ -109,8 +109,29 @@ def test_paired_comparison_errors_name_the_runs():
     rows = _rows([_row("short", BASE_NLL[:5], tokens=TOKENS[:5]), _row("nowin", ppl=31.0)])
     with pytest.raises(FindingsError, match="runs 'short' and 'fp32' were evaluated on different windows"):
         render("{short vs fp32}", rows)
-    with pytest.raises(FindingsError, match=r"run 'nowin' has no per-window NLL \(window_nll\)"):
+    with pytest.raises(FindingsError, match=r"run 'nowin' has no per-window NLL \(window_nll\) or per-sentence"):
         render("{fp32 vs nowin:verdict}", rows)
+
+
+def test_embedding_rows_pair_per_sentence_cosines():
+    base = [0.990, 0.950, 0.970, 0.900, 0.985]
+    rows = {"fp32": {"run": "fp32", "sentence_cos": json.dumps([1.0] * 5)},
+            "rtn": {"run": "rtn", "sentence_cos": json.dumps(base)},
+            "gptq": {"run": "gptq", "sentence_cos": json.dumps([c + 0.002 for c in base])},
+            "noisy": {"run": "noisy", "sentence_cos": json.dumps([c + d for c, d in zip(base, [.01, -.01] * 2 + [0])])},
+            "ppl": _row("ppl", BASE_NLL)}
+    # a constant per-sentence gain of 0.002 is its own interval
+    assert render("{gptq vs rtn}", rows) == "+0.0020 [+0.0020, +0.0020]"
+    assert render("{gptq vs rtn:delta:+.3f}|{gptq vs rtn:verdict}|{rtn vs gptq:verdict}", rows) == (
+        "+0.002 [+0.002, +0.002]|higher than|lower than")
+    ref = stats.paired_mean_interval(json.loads(rows["noisy"]["sentence_cos"]), base)
+    assert render("{noisy vs rtn:delta:.6f}", rows) == f"{ref['delta']:.6f} [{ref['low']:.6f}, {ref['high']:.6f}]"
+    assert render("{noisy vs rtn:verdict}", rows) == "not distinguishable from" and not ref["excludes_zero"]
+    with pytest.raises(FindingsError, match="run 'rtn' stored cos data and 'ppl' ppl data"):
+        render("{rtn vs ppl}", rows)
+    rows["short"] = {"run": "short", "sentence_cos": json.dumps(base[:4])}
+    with pytest.raises(FindingsError, match="different sentences \\(4 vs 5\\)"):
+        render("{short vs rtn}", rows)
 
 
 def test_unknown_column_and_run_at_report_time():

@@ -76,3 +76,17 @@ def test_bad_window_lists(nll, tokens, match):
 def test_mean_std_over_seeds():
     assert stats.mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0)  # sample std (ddof=1)
     assert stats.mean_std([4.0]) == (4.0, 0.0)
+
+
+def test_paired_mean_interval_hand_checked_and_pairing():
+    # a constant per-item difference is the interval exactly, whatever the items' spread
+    base = [0.90, 0.99, 0.95, 0.80, 0.97]
+    d = stats.paired_mean_interval([b + 0.01 for b in base], base)
+    assert d["delta"] == pytest.approx(0.01, abs=1e-12)
+    assert d["low"] == pytest.approx(0.01, abs=1e-12) and d["high"] == pytest.approx(0.01, abs=1e-12)
+    assert d["excludes_zero"]
+    # two items, differences +1 and -1: resample means are k/2 - (2-k)/2 for k ~ Binomial(2, 1/2) in {-1, 0, 1}
+    d = stats.paired_mean_interval([1.0, 0.0], [0.0, 1.0])
+    assert d["delta"] == 0 and d["low"] == -1 and d["high"] == 1 and not d["excludes_zero"]
+    with pytest.raises(ValueError, match="same items: 3 vs 2"):
+        stats.paired_mean_interval([1, 2, 3], [1, 2])

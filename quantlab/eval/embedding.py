@@ -6,6 +6,7 @@ states; we compare the quantized model's embeddings to the float model's per sen
 """
 from __future__ import annotations
 
+import json
 import re
 
 import torch
@@ -56,9 +57,11 @@ def mean_pooled_embeddings(model: nn.Module, tokenizer, sentences: list[str], ma
 
 
 def embedding_fidelity(reference: torch.Tensor, embeddings: torch.Tensor) -> dict:
-    """Cosine similarity per sentence: mean and 5th percentile (the bad tail)."""
+    """Cosine similarity per sentence: mean and 5th percentile (the bad tail), and every sentence's value
+    (`sentence_cos`, JSON) so that two runs on the same sentences can be compared with a paired interval."""
     cos = F.cosine_similarity(reference, embeddings, dim=-1)
-    return {"cos_mean": cos.mean().item(), "cos_p5": torch.quantile(cos, 0.05).item(), "sentences": len(cos)}
+    return {"cos_mean": cos.mean().item(), "cos_p5": torch.quantile(cos, 0.05).item(), "sentences": len(cos),
+            "sentence_cos": json.dumps([round(c, 7) for c in cos.double().tolist()])}
 
 
 @torch.inference_mode()

@@ -6,10 +6,11 @@ from the report's rows, so a rerun rewrites them. `{{` and `}}` are literal brac
     {RUN:COLUMN}               a value of RUN's report row in the column's table format: {fp32:ppl} -> 30.641
     {RUN:COLUMN:FORMAT}        ... in a Python format spec: {awq-w4-g64:ppl:.2f} -> 36.19
     {A vs B}                   paired Δppl % of A against B on the same windows, with its 95% bootstrap
-                               interval (reporting/stats.py): "-12.3% [-15.1, -9.8]"
-    {A vs B:delta:FORMAT}      ... in FORMAT (default +.1f)
-    {A vs B:verdict}           "lower than" / "higher than" / "not distinguishable from": A's ppl against B's,
-                               by whether that paired interval lies below 0, above 0, or includes it
+                               interval (reporting/stats.py): "-12.3% [-15.1, -9.8]"; for embedding rows
+                               (per-sentence `sentence_cos`), the paired Δ mean cosine: "+0.0123 [+0.0101, +0.0145]"
+    {A vs B:delta:FORMAT}      ... in FORMAT (default +.1f for Δppl %, +.4f for Δ cosine)
+    {A vs B:verdict}           "lower than" / "higher than" / "not distinguishable from": A's ppl (or mean cosine)
+                               against B's, by whether that paired interval lies below 0, above 0, or includes it
     {A vs B:verdict:W1|W2|W3}  the same choice in your own words (lower | higher | not distinguishable)
     {A vs B:COLUMN}            a plain comparison of one column, without any interval (e.g. cos_mean):
                                "lower than" / "higher than" / "level with" (equal at the table's precision)
@@ -40,8 +41,9 @@ INTERVAL_COLUMNS = {"ppl_ci": ("ppl_ci_low", "ppl_ci_high", ".2f"),
                     "ppl_delta_ci": ("ppl_delta_ci_low", "ppl_delta_ci_high", "+.2f")}
 HEADER = ("## Findings\n\n*Generated from the rows above by the experiment's `findings` template: every number and "
           "every comparison word is computed from the stored rows, so a rerun rewrites them. The Δppl % of one run "
-          "against another comes with its paired 95% bootstrap interval over the windows in brackets, and the two "
-          "are called not distinguishable when that interval includes 0; other comparisons are of point values.*")
+          "(or the Δ mean cosine of embedding rows) against another comes with its paired 95% bootstrap interval over "
+          "the windows (sentences) in brackets, and the two are called not distinguishable when that interval "
+          "includes 0; other comparisons are of point values.*")
 
 
 class FindingsError(ValueError):
@@ -91,7 +93,7 @@ def _placeholder(inner: str) -> Placeholder:
         if not a or not b:
             raise FindingsError(f"{where}: write a comparison as {{RUN vs OTHER}}")
         if field == "delta":
-            return Placeholder(inner, a, "delta", b, fmt=_check_format(arg or "+.1f", where))
+            return Placeholder(inner, a, "delta", b, fmt=_check_format(arg, where) if arg else None)
         if field == "verdict":
             return Placeholder(inner, a, "verdict", b, words=_words(arg, VERDICT_WORDS, where))
         if arg and "|" not in arg:
@@ -176,7 +178,8 @@ def _render_value(p: Placeholder, rows: dict, formats: dict) -> str:
                             f"({e})") from None
 
 
-def _windows(rows: dict, name: str, p: Placeholder) -> tuple[list, list]:
+def _paired_data(rows: dict, name: str, p: Placeholder) -> tuple[str, tuple]:
+    """("ppl", (window_nll, window_tokens)) or ("cos", (sentence_cos,)) of one run's row."""
     row = rows[name]
     n_seeds = row.get("n_seeds")
     if not _missing(n_seeds) and n_seeds > 1:
@@ -184,20 +187,32 @@ def _windows(rows: dict, name: str, p: Placeholder) -> tuple[list, list]:
         raise FindingsError(f"findings placeholder {{{p.text}}}: {name!r} is the mean of {int(n_seeds)} seeds; a "
                             f"paired interval needs one run's windows: compare a seed's run ({', '.join(seeds)})")
     nll, tokens = row.get("window_nll"), row.get("window_tokens")
-    if not isinstance(nll, str) or not isinstance(tokens, str):
-        raise FindingsError(f"findings placeholder {{{p.text}}}: run {name!r} has no per-window NLL "
-                            "(window_nll), so no paired interval")
-    return json.loads(nll), json.loads(tokens)
+    if isinstance(nll, str) and isinstance(tokens, str):
+        return "ppl", (json.loads(nll), json.loads(tokens))
+    if isinstance(row.get("sentence_cos"), str):
+        return "cos", (json.loads(row["sentence_cos"]),)
+    raise FindingsError(f"findings placeholder {{{p.text}}}: run {name!r} has no per-window NLL (window_nll) "
+                        "or per-sentence cosines (sentence_cos), so no paired interval")
 
 
 def paired(p: Placeholder, rows: dict) -> dict:
-    """stats.paired_delta_interval of p.run against p.other, on their stored windows."""
-    (a_nll, a_tok), (b_nll, b_tok) = _windows(rows, p.run, p), _windows(rows, p.other, p)
-    if a_tok != b_tok:
+    """A paired interval of p.run against p.other on what both stored: stats.paired_delta_interval (Δppl %,
+    per-window NLL) or stats.paired_mean_interval (Δ mean cosine, per sentence). Adds 'kind' and 'delta'."""
+    (ka, a), (kb, b) = _paired_data(rows, p.run, p), _paired_data(rows, p.other, p)
+    if ka != kb:
+        raise FindingsError(f"findings placeholder {{{p.text}}}: run {p.run!r} stored {ka} data and {p.other!r} "
+                            f"{kb} data: no paired interval")
+    if ka == "ppl":
+        if a[1] != b[1]:
+            raise FindingsError(f"findings placeholder {{{p.text}}}: runs {p.run!r} and {p.other!r} were evaluated "
+                                f"on different windows ({len(a[1])} vs {len(b[1])} windows, or other lengths): "
+                                "no paired interval")
+        d = stats.paired_delta_interval(a[0], b[0], a[1])
+        return {**d, "kind": "ppl", "delta": d["delta_pct"]}
+    if len(a[0]) != len(b[0]):
         raise FindingsError(f"findings placeholder {{{p.text}}}: runs {p.run!r} and {p.other!r} were evaluated on "
-                            f"different windows ({len(a_tok)} vs {len(b_tok)} windows, or other lengths): "
-                            "no paired interval")
-    return stats.paired_delta_interval(a_nll, b_nll, a_tok)
+                            f"different sentences ({len(a[0])} vs {len(b[0])}): no paired interval")
+    return {**stats.paired_mean_interval(a[0], b[0]), "kind": "cos"}
 
 
 def _pair_values(p: Placeholder, rows: dict) -> tuple[float, float]:
@@ -230,8 +245,8 @@ def render_placeholder(p: Placeholder, rows: dict, formats: dict) -> str:
     d = paired(p, rows)
     if p.kind == "verdict":
         return p.words[2] if not d["excludes_zero"] else p.words[0] if d["high"] < 0 else p.words[1]
-    f = p.fmt
-    return f"{format(d['delta_pct'], f)}% [{format(d['low'], f)}, {format(d['high'], f)}]"
+    f, unit = (p.fmt or "+.1f", "%") if d["kind"] == "ppl" else (p.fmt or "+.4f", "")
+    return f"{format(d['delta'], f)}{unit} [{format(d['low'], f)}, {format(d['high'], f)}]"
 
 
 def render(template: str, rows: dict[str, dict], formats: dict[str, str] | None = None) -> str:

@@ -8,6 +8,7 @@ same indices, so window difficulty (which both share) cancels out of Δppl.
 
     lo, hi = ppl_interval(window_nll, window_tokens)          # per-window NLL sums, predicted tokens
     d = paired_delta_interval(run_nll, base_nll, window_tokens)  # {'delta_pct', 'low', 'high', 'excludes_zero'}
+    d = paired_mean_interval(run_cos, base_cos)   # per-sentence values: {'delta', 'low', 'high', 'excludes_zero'}
 """
 from __future__ import annotations
 
@@ -84,6 +85,23 @@ def unpaired_delta_interval(run_nll, base_nll, tokens, resamples: int = RESAMPLE
     base, _ = _arrays(base_nll, tokens)
     i, j = _indices(run.size, resamples, seed), _indices(run.size, resamples, seed + 1)
     return _percentiles(_delta_pct(run[i].sum(1), base[j].sum(1), tok[i].sum(1), tok[j].sum(1)), level)
+
+
+def paired_mean_interval(run: Sequence[float], base: Sequence[float], resamples: int = RESAMPLES,
+                         level: float = LEVEL, seed: int = SEED) -> dict:
+    """mean(run) - mean(base) over the same items (e.g. per-sentence embedding cosines), with a paired
+    percentile-bootstrap interval: items are resampled with the same indices for both.
+
+    Returns {'delta', 'low', 'high', 'excludes_zero'}.
+    """
+    a, b = np.asarray(run, dtype=np.float64), np.asarray(base, dtype=np.float64)
+    if a.ndim != 1 or a.size == 0:
+        raise ValueError(f"need a non-empty 1-D list of per-item values, got shape {a.shape}")
+    if b.shape != a.shape:
+        raise ValueError(f"paired values need the same items: {a.size} vs {b.size}")
+    diff = a - b
+    lo, hi = _percentiles(diff[_indices(diff.size, resamples, seed)].mean(1), level)
+    return {"delta": float(diff.mean()), "low": lo, "high": hi, "excludes_zero": bool(lo > 0 or hi < 0)}
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
