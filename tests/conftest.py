@@ -4,6 +4,9 @@ Missing data or model wheels skip outside CI and fail under CI=true (tests/ci_po
 """
 from __future__ import annotations
 
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,33 @@ SAMPLE_TEXT = (
     "The quick brown fox jumps over the lazy dog . Quantization maps floats to a small grid of integers . "
     "Perplexity measures how surprised a language model is by held-out text . "
 ) * 40
+
+
+@pytest.fixture
+def lock_held_elsewhere():
+    """lock_held_elsewhere(results, seconds): a context in which another thread holds results_lock(results) for
+    `seconds`; it yields a list that gets the time.time() of the release, and joins the thread on exit."""
+    from quantlab.runs.results import results_lock
+
+    @contextmanager
+    def hold(results: Path, seconds: float):
+        held, released_at = threading.Event(), []
+
+        def holder():
+            with results_lock(results):
+                held.set()
+                time.sleep(seconds)
+                released_at.append(time.time())
+
+        thread = threading.Thread(target=holder)
+        thread.start()
+        held.wait(5)
+        try:
+            yield released_at
+        finally:
+            thread.join()
+
+    return hold
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ import json
 import logging
 import os
 import re
-import threading
 import time
 
 import pytest
@@ -83,7 +82,7 @@ def test_failed_run_one_line_traceback_only_with_verbose(exp_file, tmp_path, cap
         assert "quantlab: error: 1 run(s) failed (finished rows kept in" in capsys.readouterr().err
 
 
-def test_second_run_fails_at_once_and_wait_waits(exp_file, tmp_path, capsys):
+def test_second_run_fails_at_once_and_wait_waits(exp_file, tmp_path, capsys, lock_held_elsewhere):
     reports = tmp_path / "reports"
     reports.mkdir()
     results = reports / "tiny_cli.results.jsonl"
@@ -95,19 +94,8 @@ def test_second_run_fails_at_once_and_wait_waits(exp_file, tmp_path, capsys):
         assert "gave up after waiting" in capsys.readouterr().err
     assert not results.exists()  # nothing ran
 
-    held, released_at = threading.Event(), []
-
-    def hold():
-        with results_lock(results):
-            held.set()
-            time.sleep(1.0)
-            released_at.append(time.time())
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    held.wait(5)
-    assert main(["-q", "run", str(exp_file), "--reports-dir", str(reports), "--wait"]) == 0
-    thread.join()
+    with lock_held_elsewhere(results, 1.0) as released_at:
+        assert main(["-q", "run", str(exp_file), "--reports-dir", str(reports), "--wait"]) == 0
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     assert [r["run"] for r in rows] == ["fp32", "gptq-w4"]  # each run once
     assert min(r["timestamp"] for r in rows) >= time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(released_at[0] - 1))

@@ -6,7 +6,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -49,22 +48,10 @@ def test_released_on_error_and_ctrl_c(tmp_path, exc):
         pass
 
 
-def test_wait_blocks_until_the_holder_releases(tmp_path):
+def test_wait_blocks_until_the_holder_releases(tmp_path, lock_held_elsewhere):
     results = tmp_path / "exp.results.jsonl"
-    held, released_at = threading.Event(), []
-
-    def hold():
-        with results_lock(results):
-            held.set()
-            time.sleep(0.5)
-            released_at.append(time.monotonic())
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    held.wait(5)
-    with results_lock(results, wait=True, poll_s=0.02):
-        acquired_at = time.monotonic()
-    thread.join()
+    with lock_held_elsewhere(results, 0.5) as released_at, results_lock(results, wait=True, poll_s=0.02):
+        acquired_at = time.time()
     assert acquired_at >= released_at[0]  # never while the other one held it
 
 
