@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..core.checks import check_choice
 from .kernels import KERNELS, KernelChoice, choose_kernel
 from .modules import TorchaoLinear
 from .torchao import PARITY_TOLERANCE, export_torchao, export_with_parity, logits_diff, plan_export, torchao_available
@@ -20,8 +21,7 @@ BACKENDS = ("simulated", "torchao", "auto")
 
 
 def check_backend(backend) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+    check_choice("backend", backend, BACKENDS)
     return backend
 
 

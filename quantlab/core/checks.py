@@ -56,6 +56,12 @@ NAME_RULE = ("a non-empty name without '/', '\\' or control characters that does
              "(it becomes part of file names)")
 
 
+def check_choice(field: str, value, known) -> None:
+    """Raise ValueError naming `value` and the `known` ones unless value is one of them."""
+    if value not in known:
+        raise ValueError(f"unknown {field} {value!r}; known: {', '.join(known)}")
+
+
 def check_name(field: str, name) -> str:
     """`name` if it is safe as part of a file name (experiment, run, report prefixes), else a ValueError.
 

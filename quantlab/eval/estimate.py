@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ..core.checks import check_dtype, check_int, dtype_bytes
+from ..core.checks import check_choice, check_dtype, check_int, dtype_bytes
 
 MIB, GIB = 2**20, 2**30
 OVERHEAD_MIB = {"cpu": 450.0, "cuda": 500.0}
@@ -128,10 +128,8 @@ def estimate_memory(
     if group_size is not None:
         check_int("group_size", group_size, 1)
     check_dtype("dtype", dtype)
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
-    if device not in OVERHEAD_MIB:
-        raise ValueError(f"unknown device {device!r}; known: {', '.join(OVERHEAD_MIB)}")
+    check_choice("backend", backend, BACKENDS)
+    check_choice("device", device, OVERHEAD_MIB)
     if device_memory_gib is not None and not device_memory_gib > 0:
         raise ValueError(f"device memory must be > 0 GiB, got {device_memory_gib!r}")
     config = load_config(model, cache_dir) if isinstance(model, str) else model

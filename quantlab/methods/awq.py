@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..core.checks import check_int
+from ..core.checks import check_choice, check_int
 from ..core.lifecycle import freeze_all, swap_in_quant_linears
 from ..core.observers import HessianObserver, MeanAbsObserver
 from ..core.qlinear import QuantLinear
@@ -61,11 +61,6 @@ from .smoothing import apply_scale, group_applies
 SCALE_LOSSES = ("module", "linear")
 CLIPS = ("symmetric", "minmax")
 BLOCK_INPUTS = ("float", "quantized")
-
-
-def _check_choice(name: str, value, valid: tuple[str, ...]) -> None:
-    if value not in valid:
-        raise ValueError(f"unknown {name} {value!r}; known: {', '.join(valid)}")
 
 
 @dataclass(frozen=True)
@@ -105,9 +100,9 @@ class AWQConfig:
         if isinstance(self.clip_max_shrink, bool) or not isinstance(self.clip_max_shrink, (int, float)) \
                 or not 0 <= self.clip_max_shrink < 1:
             raise ValueError(f"clip_max_shrink must be a number in [0, 1), got {self.clip_max_shrink!r}")
-        _check_choice("scale_loss", self.scale_loss, SCALE_LOSSES)
-        _check_choice("clip", self.clip, CLIPS)
-        _check_choice("block_inputs", self.block_inputs, BLOCK_INPUTS)
+        check_choice("scale_loss", self.scale_loss, SCALE_LOSSES)
+        check_choice("clip", self.clip, CLIPS)
+        check_choice("block_inputs", self.block_inputs, BLOCK_INPUTS)
 
     @property
     def clip_ratios(self) -> list[float]:

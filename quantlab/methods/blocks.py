@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..core.checks import check_choice
 from ..core.qlinear import QuantLinear
 from ..models.arch import find_blocks
 
@@ -205,8 +206,7 @@ def for_each_block(
 
     >>> for_each_block(model, calib, lambda i, block, xs, kws: ..., next_inputs="float")
     """
-    if next_inputs not in NEXT_INPUTS:
-        raise ValueError(f"unknown next_inputs {next_inputs!r}; known: {', '.join(NEXT_INPUTS)}")
+    check_choice("next_inputs", next_inputs, NEXT_INPUTS)
     was_training = model.training
     model.eval()
     inputs, kwargs = capture_block_inputs(model, batches)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..core.activations import StaticActQuant, check_act_bits
+from ..core.checks import check_choice
 from ..core.lifecycle import quant_linears, run_calibration
 from ..core.observers import Observer, attach_input_observers, make_observer
 from ..core.registry import Method, as_weight_base, get_method, needs_calibration, register_method
@@ -41,10 +42,8 @@ class StaticConfig:
 
     def __post_init__(self):
         check_act_bits(self.act_bits, self.act_symmetric)
-        if self.act_granularity not in ACT_GRANULARITIES:
-            raise ValueError(f"unknown act_granularity {self.act_granularity!r}; known: {', '.join(ACT_GRANULARITIES)}")
-        if self.observer not in ACT_OBSERVERS:
-            raise ValueError(f"unknown observer {self.observer!r}; known: {', '.join(ACT_OBSERVERS)}")
+        check_choice("act_granularity", self.act_granularity, ACT_GRANULARITIES)
+        check_choice("observer", self.observer, ACT_OBSERVERS)
         p = self.percentile
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 50 < p <= 100:
             raise ValueError(f"percentile must be a number in (50, 100], got {p!r}")

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..core.checks import check_choice
 from ..core.lifecycle import select_linears, set_submodule
 from ..core.qlinear import QuantLinear
 from ..core.registry import config_to_dict, get_method
@@ -61,8 +62,7 @@ def _block_of(name: str, prefix: str) -> tuple[int | None, str]:
 
 def make_units(model: nn.Module, config: RTNConfig, granularity: str = "layer") -> list[Unit]:
     """The units of a sensitivity sweep over the layers `config` selects, in model order."""
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"unknown granularity {granularity!r}; known: {', '.join(GRANULARITIES)}")
+    check_choice("granularity", granularity, GRANULARITIES)
     blocks = find_blocks(model)
     prefix = next(n for n, m in model.named_modules() if m is blocks)
     names = [n for n, _ in select_linears(model, config.selection)]

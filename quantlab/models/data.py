@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.checks import read_utf8
+from ..core.checks import check_choice, read_utf8
 
 DATASETS = ("wikitext2",)
 SPLITS = ("test", "validation")
@@ -65,8 +65,7 @@ def load_text(dataset: str, split: str, data_dir: str | Path | None = None) -> t
         if not path.is_file():
             raise FileNotFoundError(f"dataset {dataset!r} is neither a known dataset ({', '.join(DATASETS)}) nor a file")
         return read_utf8(path), f"file:{path.name}"
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
+    check_choice("split", split, SPLITS)
     local = find_wikitext2_dir(data_dir)
     if local is None:
         return _hub_text(split), f"hub:wikitext-2-raw-v1/{split}"
