@@ -14,7 +14,7 @@ def test_unknown_method_lists_known():
 
 
 def test_unknown_config_key_lists_valid():
-    with pytest.raises(ValueError, match=r"unknown config key\(s\) 'bit' for method 'rtn'; valid: bits, exclude"):
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) 'bit' for method 'rtn'; valid: bits, double_quant, exclude"):
         make_config({"method": "rtn", "bit": 4})
 
 

@@ -9,7 +9,10 @@ the report agree on what ran. `None` kernel = stays simulated, with the reason.
 | int8 per-channel sym / int8 dynamic token | int8_dynamic                | int8_dynamic                  |
 | int4 g32/64/128 (K % g == 0) / float      | int4_cpu (Int4OpaqueTensor, | int4_cuda (tinygemm, cc >= 8, |
 |                                           | bf16)                       | bf16)                         |
-| anything else                             | simulated                   | simulated                     |
+| fp8_e4m3 / e5m2 per-channel / float       | float8_weight_only          | float8_weight_only            |
+|                                           | (Float8Tensor, dequantizes) |                               |
+| other number formats, format activations  | simulated (reason says what the kernel needs)               |
+| anything else (incl. hqq's float zeros)   | simulated                   | simulated                     |
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import torch
 from ..core.activations import DynamicActQuant
 from ..core.qlinear import QuantLinear
 
-KERNELS = ("int8_weight_only", "int8_dynamic", "int4_cpu", "int4_cuda")
+KERNELS = ("int8_weight_only", "int8_dynamic", "int4_cpu", "int4_cuda", "float8_weight_only")
 INT4_GROUP_SIZES = (32, 64, 128)
 # Compute dtype each kernel needs: int4 tinygemm kernels take bf16 activations and scales.
 KERNEL_DTYPE = {"int4_cpu": torch.bfloat16, "int4_cuda": torch.bfloat16}
@@ -43,7 +46,11 @@ def choose_kernel(layer: QuantLinear, device: torch.device) -> KernelChoice:
     """
     if not layer.frozen:
         return _simulated("layer is not frozen (call convert/quantize first)")
+    if layer.float_zero:
+        return _simulated("real-valued zero points (hqq): quantlab's torchao export takes integer zero points")
     spec, act = layer.spec, layer.act_quant
+    if spec.fmt is not None or getattr(act, "format", "int") != "int":
+        return _format_kernel(layer, device)
     if act is not None and not isinstance(act, DynamicActQuant):
         return _simulated(f"{type(act).__name__} activations: no static-activation kernel is exported")
     if act is not None and act.bits != 8:
@@ -70,3 +77,22 @@ def choose_kernel(layer: QuantLinear, device: torch.device) -> KernelChoice:
             return KernelChoice("int4_cuda")
         return _simulated(f"w4 on {device.type}: no int4 kernel")
     return _simulated(f"w{spec.bits}: no torchao kernel for {spec.bits}-bit weights")
+
+
+def _format_kernel(layer: QuantLinear, device: torch.device) -> KernelChoice:
+    """Number formats: FP8 per-channel weights export to torchao's Float8Tensor (weight-only: it dequantizes
+    in the matmul on CPU); the rest has kernels only on recent GPUs, which quantlab does not export yet."""
+    spec, act = layer.spec, layer.act_quant
+    act_format = getattr(act, "format", "int") if act is not None else None
+    if act is not None:
+        need = "CUDA cc >= 8.9 (float8 matmul)" if str(act_format).startswith("fp8") else "CUDA cc >= 10.0"
+        return _simulated(f"{spec.describe()} + a-{act_format} activations: torchao's kernel needs {need}; "
+                          f"quantlab exports weight-only formats only (device: {device.type})")
+    if spec.format in ("fp8_e4m3", "fp8_e5m2"):
+        if spec.group_size is not None:
+            return _simulated(f"{spec.format} g{spec.group_size}: quantlab exports per-channel FP8 (PerRow) only")
+        return KernelChoice("float8_weight_only")
+    if spec.format in ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4", "nvfp4"):
+        return _simulated(f"{spec.format}: torchao's MX / NVFP4 matmuls need CUDA cc >= 10.0; not exported "
+                          f"(device: {device.type})")
+    return _simulated(f"{spec.format}: no torchao kernel for this format")

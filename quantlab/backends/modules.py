@@ -50,6 +50,16 @@ def int8_tensor(layer: QuantLinear, dtype: torch.dtype):
                       [1, layer.in_features], dtype, act_pre_scale=_act_pre_scale(layer, dtype))
 
 
+def float8_tensor(layer: QuantLinear, dtype: torch.dtype):
+    """torchao Float8Tensor (per-row scale, weight-only) from quantlab's FP8 codes and fp32 scales, as stored."""
+    from torchao.quantization import Float8Tensor
+
+    torch_dtype = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[layer.spec.format]
+    codes = packing.unpack(layer.qweight, 8, layer.out_features * layer.in_features)
+    qdata = codes.view(torch_dtype).reshape(layer.out_features, layer.in_features).contiguous()
+    return Float8Tensor(qdata, layer.scale.float().reshape(-1, 1).contiguous(), [1, layer.in_features], dtype=dtype)
+
+
 def _tinygemm_scale_zero(layer: QuantLinear) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 (out, n_groups) scale and tinygemm float zero: w = (u - 8) * s + zf, so zf = (8 - zero_u) * s."""
     scale = layer.scale.to(torch.bfloat16)
@@ -175,5 +185,6 @@ def build_module(kernel: str, layer: QuantLinear, dtype: torch.dtype) -> nn.Modu
     if kernel == "int8_dynamic":
         return Int8DynamicLinear(layer, dtype)
     weight = {"int8_weight_only": lambda: int8_tensor(layer, dtype), "int4_cpu": lambda: int4_cpu_tensor(layer),
-              "int4_cuda": lambda: int4_cuda_tensor(layer)}[kernel]()
+              "int4_cuda": lambda: int4_cuda_tensor(layer),
+              "float8_weight_only": lambda: float8_tensor(layer, dtype)}[kernel]()
     return TorchaoLinear(weight, layer.bias, kernel)

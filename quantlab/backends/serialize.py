@@ -2,7 +2,7 @@
 
 A saved directory holds
   model.safetensors     every tensor of the frozen model: packed codes (qweight), scales, zero points
-                        (zero_u), biases, smoothing input scales, static activation qparams and the
+                        (zero_u, HQQ's zero_f), biases, smoothing input scales, static activation qparams and the
                         float parameters (embeddings, norms); tied tensors are stored once
   quant_config.json     format version, base model id, the quantization config, per-layer specs
                         (bits, group size, sym, scale dtype, activation quantizer), tied aliases,
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core import packing
+from ..core import formats, packing
 from ..core.activations import DynamicActQuant, StaticActQuant
 from ..core.lifecycle import quant_linears, set_submodule
 from ..core.primitives import n_groups
@@ -49,9 +49,9 @@ def _act_spec(act: nn.Module | None) -> dict | None:
     if act is None:
         return None
     if isinstance(act, DynamicActQuant):
-        return {"kind": "dynamic", "bits": act.bits, "symmetric": act.symmetric}
+        return {"kind": "dynamic", "bits": act.bits, "symmetric": act.symmetric, "format": act.format}
     if isinstance(act, StaticActQuant):
-        return {"kind": "static", "bits": act.bits, "symmetric": act.symmetric}
+        return {"kind": "static", "bits": act.bits, "symmetric": act.symmetric, "format": act.format}
     raise ValueError(f"cannot save activation quantizer {type(act).__name__}; known: DynamicActQuant, StaticActQuant")
 
 
@@ -61,7 +61,9 @@ def _layer_spec(layer: QuantLinear) -> dict:
     s = layer.spec
     return {"in_features": layer.in_features, "out_features": layer.out_features, "bias": layer.bias is not None,
             "bits": s.bits, "group_size": s.group_size, "symmetric": s.symmetric, "scale_dtype": s.scale_dtype,
-            "input_scale": layer.input_scale is not None, "act_quant": _act_spec(layer.act_quant)}
+            "format": s.format, "double_quant": s.double_quant,
+            "input_scale": layer.input_scale is not None, "act_quant": _act_spec(layer.act_quant),
+            "float_zero": layer.float_zero}
 
 
 def _dedup_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -131,22 +133,30 @@ def _read_meta(path: Path, base_model_id: str | None) -> dict:
 def _shell(spec: dict, dtype: torch.dtype, static_scale_shape: tuple) -> QuantLinear:
     """A frozen QuantLinear with empty buffers shaped as the spec implies; load assigns the stored tensors,
     so a file whose tensors do not match the spec fails in load_state_dict."""
-    ws = WeightSpec(spec["bits"], spec["group_size"], spec["symmetric"], spec["scale_dtype"])
+    ws = WeightSpec(spec["bits"], spec["group_size"], spec["symmetric"], spec["scale_dtype"],
+                    spec.get("format", "int"), spec.get("double_quant", False))
     out_f, in_f = spec["out_features"], spec["in_features"]
     layer = QuantLinear(in_f, out_f, spec["bias"], ws)
     groups = (out_f, n_groups(in_f, ws.group_size))
     layer.register_buffer("qweight", torch.empty(packing.packed_nbytes(out_f * in_f, ws.bits), dtype=torch.uint8))
-    layer.register_buffer("scale", torch.empty(groups, dtype=ws.torch_scale_dtype))
-    if not ws.symmetric:
+    if ws.fmt is not None:
+        for key, (shape, dtype_) in formats.storage_shapes(ws.fmt, groups, ws.torch_scale_dtype, ws.double_quant).items():
+            layer.register_buffer(key, torch.empty(shape, dtype=dtype_))
+    else:
+        layer.register_buffer("scale", torch.empty(groups, dtype=ws.torch_scale_dtype))
+    if spec.get("float_zero", False):  # HQQ: real-valued zeros in the scale dtype
+        layer.register_buffer("zero_f", torch.empty(groups, dtype=ws.torch_scale_dtype))
+    elif not ws.symmetric:
         layer.register_buffer("zero_u", torch.empty(groups, dtype=torch.uint8))
     if spec["input_scale"]:
         layer.register_buffer("input_scale", torch.empty(in_f, dtype=dtype))
     act = spec["act_quant"]
     if act is not None and act["kind"] == "dynamic":
-        layer.act_quant = DynamicActQuant(act["bits"], act["symmetric"])
+        layer.act_quant = DynamicActQuant(act["bits"], act["symmetric"], act.get("format", "int"))
     elif act is not None:
         zero = None if act["symmetric"] else torch.zeros(static_scale_shape, dtype=torch.int32)
-        layer.act_quant = StaticActQuant(act["bits"], act["symmetric"], torch.ones(static_scale_shape), zero)
+        layer.act_quant = StaticActQuant(act["bits"], act["symmetric"], torch.ones(static_scale_shape), zero,
+                                         act.get("format", "int"))
     layer.weight, layer.frozen = None, True
     return layer
 

@@ -25,7 +25,8 @@ from .modules import build_module
 # random input (the `ok` flag of a row). int8: the same integer codes (weights and, for dynamic, the
 # per-token activation codes, computed by quantlab's own qparams), summed in another order in fp32.
 # int4: a bf16 tinygemm kernel vs the bf16 dequantized matmul (other accumulation and rounding).
-PARITY_TOLERANCE = {"int8_weight_only": 1e-5, "int8_dynamic": 1e-5, "int4_cpu": 2e-2, "int4_cuda": 2e-2}
+PARITY_TOLERANCE = {"int8_weight_only": 1e-5, "int8_dynamic": 1e-5, "int4_cpu": 2e-2, "int4_cuda": 2e-2,
+                    "float8_weight_only": 1e-5}
 # End-to-end logits are recorded too (export_parity_logits_*), not gated: with dynamic activation
 # quantization a float rounding difference can flip one activation code, and on SmolLM2's massive
 # activation outliers (|x| ~ 2e4) one code step is ~150, so such flips grow through 30 layers

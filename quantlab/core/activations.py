@@ -18,11 +18,13 @@ from typing import Callable
 import torch
 from torch import nn
 
+from . import formats
 from .checks import check_int
 from .lifecycle import quant_linears
 from .primitives import QParams, code_range, fake_quantize, qparams, qparams_from_range
 
 ACT_BITS = (4, 8)  # inclusive range of supported activation bit widths
+STATIC_FORMATS = ("fp8_e4m3", "fp8_e5m2")  # static ranges give one scale per tensor / channel: FP8 (no blocks)
 
 
 def check_act_bits(bits, symmetric, field: str = "act_bits") -> None:
@@ -34,19 +36,48 @@ def check_act_bits(bits, symmetric, field: str = "act_bits") -> None:
         raise ValueError(f"{name} must be true or false, got {symmetric!r}")
 
 
-class DynamicActQuant(nn.Module):
-    """Per-token min-max fake quantization: each token row of x (..., C) gets its own scale (and zero)."""
+def check_act_format(fmt: str, bits, symmetric, field: str = "act_format", allowed: tuple | None = None) -> int:
+    """Validate an activation format (with its bits / symmetric fields); returns the bits it implies.
 
-    def __init__(self, bits: int = 8, symmetric: bool = True):
+    "int": bits 4..8, symmetric or not; a number format fixes bits (8, the default, may stay) and is symmetric.
+    """
+    if fmt == "int":
+        check_act_bits(bits, symmetric, field.replace("format", "bits"))
+        return bits
+    if allowed is not None and fmt not in allowed:
+        raise ValueError(f"unknown {field} {fmt!r} here; known: int, {', '.join(allowed)}")
+    f = formats.get_format(fmt)
+    if bits not in (8, f.bits):
+        raise ValueError(f"{field} {fmt!r} has {f.bits}-bit elements; {field.replace('format', 'bits')} = {bits} "
+                         f"contradicts it (leave it out)")
+    if symmetric is not True:
+        raise ValueError(f"{field} {fmt!r} is symmetric; {field.replace('format', 'symmetric')} = {symmetric!r}")
+    return f.bits
+
+
+class DynamicActQuant(nn.Module):
+    """Per-token min-max fake quantization: each token row of x (..., C) gets its own scale (and zero).
+
+    With a number format: FP8 scales per token (amax / max element); MX / NVFP4 per block of the last dim,
+    NVFP4's tensor scale from the current tensor's amax (dynamic; deployments often calibrate it: a variant).
+    """
+
+    def __init__(self, bits: int = 8, symmetric: bool = True, format: str = "int"):
         super().__init__()
-        check_act_bits(bits, symmetric, "bits")
-        self.bits, self.symmetric = bits, symmetric
+        bits = check_act_format(format, bits, symmetric, "format")
+        self.bits, self.symmetric, self.format = bits, symmetric, format
+        self.fmt = None if format == "int" else formats.FORMATS[format]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt is not None:
+            p = formats.format_qparams(x, self.fmt, self.fmt.block)
+            return formats.format_fake_quantize(x, p, self.fmt, self.fmt.block, ste=True)
         p = qparams(x.float(), self.bits, None, self.symmetric)  # scale (..., 1): one group = one token
         return fake_quantize(x, p, self.bits, None, ste=True)
 
     def extra_repr(self) -> str:
+        if self.fmt is not None:
+            return f"a-{self.format} {'per-token' if self.fmt.block is None else f'blocks of {self.fmt.block}'}"
         return f"a{self.bits} per-token {'sym' if self.symmetric else 'asym'}"
 
 
@@ -57,9 +88,11 @@ class StaticActQuant(nn.Module):
     not for an integer GEMM kernel (which wants per-tensor or per-token activation scales).
     """
 
-    def __init__(self, bits: int, symmetric: bool, scale: torch.Tensor, zero: torch.Tensor | None = None):
+    def __init__(self, bits: int, symmetric: bool, scale: torch.Tensor, zero: torch.Tensor | None = None,
+                 format: str = "int"):
         super().__init__()
-        check_act_bits(bits, symmetric, "bits")
+        bits = check_act_format(format, bits, symmetric, "format", STATIC_FORMATS)
+        self.format = format
         scale = torch.as_tensor(scale).detach()
         if scale.dim() > 1:
             raise ValueError(f"scale must be 0-dim (per tensor) or (C,) (per channel), got shape {tuple(scale.shape)}")
@@ -79,8 +112,15 @@ class StaticActQuant(nn.Module):
         self.register_buffer("zero", zero)
 
     @classmethod
-    def from_range(cls, lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool) -> "StaticActQuant":
-        """From an observer's range: 0-dim lo/hi -> per tensor, (C,) -> per channel."""
+    def from_range(cls, lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool,
+                   format: str = "int") -> "StaticActQuant":
+        """From an observer's range: 0-dim lo/hi -> per tensor, (C,) -> per channel. FP8: scale = amax / max."""
+        if format != "int":
+            check_act_format(format, bits, symmetric, "format", STATIC_FORMATS)
+            fmt = formats.FORMATS[format]
+            amax = torch.maximum(lo.float().abs(), hi.float().abs())
+            scale = (amax / fmt.element.max_value).clamp(min=torch.finfo(torch.float32).tiny)
+            return cls(fmt.bits, True, scale, None, format)
         check_act_bits(bits, symmetric, "bits")
         p = qparams_from_range(lo.float(), hi.float(), bits, symmetric)
         return cls(bits, symmetric, p.scale, p.zero)
@@ -93,10 +133,15 @@ class StaticActQuant(nn.Module):
         if self.per_channel and x.shape[-1] != self.scale.numel():
             raise ValueError(f"input has {x.shape[-1]} channels, per-channel qparams have {self.scale.numel()}")
         group_size = 1 if self.per_channel else None  # one group per channel, or one over the whole last dim
+        if self.format != "int":
+            return formats.format_fake_quantize(x, QParams(self.scale, None), formats.FORMATS[self.format],
+                                                group_size, ste=True)
         return fake_quantize(x, QParams(self.scale, self.zero), self.bits, group_size, ste=True)
 
     def extra_repr(self) -> str:
         gran = f"per-channel ({self.scale.numel()})" if self.per_channel else "per-tensor"
+        if self.format != "int":
+            return f"a-{self.format} static {gran}"
         return f"a{self.bits} static {gran} {'sym' if self.symmetric else 'asym'}"
 
 

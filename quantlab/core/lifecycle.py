@@ -47,6 +47,10 @@ def swap_in_quant_linears(
     chosen = select_linears(model, selection)
     check_overrides_match(overrides, [n for n, _ in chosen])
     for name, linear in chosen:
+        bad = ~torch.isfinite(linear.weight.detach())
+        if bad.any():  # a NaN / Inf scale would silently turn the whole group (or row) into NaN
+            raise ValueError(f"{name}: weight has {int(bad.sum())} NaN/Inf value(s) (first at index "
+                             f"{tuple(bad.nonzero()[0].tolist())}); cannot quantize it")
         set_submodule(model, name, QuantLinear.from_linear(linear, spec_for(spec, overrides, name)))
     return [n for n, _ in chosen]
 

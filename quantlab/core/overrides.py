@@ -2,7 +2,7 @@
 
 An RTN-family config (rtn, gptq, the `base` of awq / dynamic / static) carries an
 `overrides` list; each entry names a glob `pattern` and any of bits, group_size,
-symmetric, scale_dtype. Every override whose pattern matches a layer's name is applied
+symmetric, scale_dtype, format, double_quant (a new format starts from its own bits / block). Every override whose pattern matches a layer's name is applied
 in order, field by field, so **later matches win** (write general rules first, then
 exceptions). Fields an override leaves out keep the value set so far (the config's own
 grid, or an earlier match). `group_size = "channel"` means per output channel (TOML has
@@ -31,7 +31,7 @@ from typing import Any, Iterable
 from .qlinear import WeightSpec
 
 CHANNEL = "channel"
-OVERRIDE_KEYS = ("pattern", "bits", "group_size", "symmetric", "scale_dtype")
+OVERRIDE_KEYS = ("pattern", "bits", "group_size", "symmetric", "scale_dtype", "format", "double_quant")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class LayerOverride:
     group_size: int | str | None = None  # None: keep; "channel": per output channel; int: group size
     symmetric: bool | None = None
     scale_dtype: str | None = None
+    format: str | None = None  # e.g. "nf4": the layer gets that format's bits / block unless set here too
+    double_quant: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.pattern, str) or not self.pattern:
@@ -67,6 +69,8 @@ class LayerOverride:
         changes = {k: getattr(self, k) for k in OVERRIDE_KEYS[1:] if getattr(self, k) is not None}
         if changes.get("group_size") == CHANNEL:
             changes["group_size"] = None
+        if "format" in changes and changes["format"] != spec.format:  # a new format starts from its own defaults
+            return WeightSpec(**{"symmetric": spec.symmetric if changes["format"] == "int" else True, **changes})
         return dataclasses.replace(spec, **changes)
 
     def to_dict(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ Conventions (all functions, never mutating their inputs):
 - symmetric: codes in [-2^(b-1), 2^(b-1)-1], scale = amax / (2^(b-1)-1), no zero.
 - asymmetric: codes in [0, 2^b-1], range [min(x,0), max(x,0)] so 0.0 is exactly
   representable (PyTorch observers, the GPTQ reference), integer zero in code range.
+  QParams.float_zero (HQQ, methods/hqq.py): a real-valued zero, codes round(x/s + zero).
 - dequantize() is the one place codes become floats; fake_quantize() calls it too,
   so the fake-quant forward and the frozen integer forward agree bit for bit.
 """
@@ -24,6 +25,18 @@ import torch
 class QParams:
     scale: torch.Tensor  # (..., n_groups), stored dtype (e.g. float16)
     zero: torch.Tensor | None  # (..., n_groups) int32 codes, None when symmetric
+    # non-integer formats (core/formats.py): what the stored form needs beyond the effective fp32 scale
+    # (MX's E8M0 exponents, NVFP4's tensor scale, NF4's double-quantized absmax); None on integer grids
+    extra: dict | None = None
+    # True: zero is a real number (HQQ), codes round(x/s + zero). False: zero is an integer code (int32, or
+    # an integer-valued float carrying LSQ's gradient), codes round(x/s) + zero. A flag, not zero's dtype:
+    # the two differ at ties, and LSQ's float zeros must keep the integer formula their frozen form uses.
+    float_zero: bool = False
+
+    def __post_init__(self):
+        if self.float_zero and (self.zero is None or not self.zero.is_floating_point()):
+            got = "None" if self.zero is None else f"a {self.zero.dtype} tensor"
+            raise ValueError(f"float_zero needs a floating-point zero tensor, got {got}")
 
 
 def code_range(bits: int, symmetric: bool) -> tuple[int, int]:
@@ -116,6 +129,9 @@ def quantize(x: torch.Tensor, p: QParams, bits: int, group_size: int | None, ste
     symmetric = p.zero is None
     qmin, qmax = code_range(bits, symmetric)
     xg = _grouped(x, group_size)  # (..., n_groups, g)
+    if p.float_zero:  # HQQ: the real-valued zero shifts before rounding
+        q = (round_ste if ste else torch.round)(xg / p.scale.to(x.dtype).unsqueeze(-1) + p.zero.to(x.dtype).unsqueeze(-1))
+        return _ungrouped(torch.clamp(q, qmin, qmax), x.shape[-1])
     q = (round_ste if ste else torch.round)(xg / p.scale.to(x.dtype).unsqueeze(-1))
     if not symmetric:
         q = q + p.zero.to(x.dtype).unsqueeze(-1)

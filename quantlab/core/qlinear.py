@@ -14,31 +14,107 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import packing
+from . import formats, packing
 from .checks import check_dtype, check_int, resolve_dtype
 from .primitives import QParams, code_range, dequantize, fake_quantize, n_groups, qparams, quantize
 
 
 @dataclass(frozen=True)
 class WeightSpec:
-    """How a weight is quantized: bits, group size (None = per output channel), sym/asym."""
+    """How a weight is quantized: a grid (format), its group size (None = per output channel) and scales.
+
+    format "int" (default): bits 2..8, symmetric or asymmetric (zero point), scales in scale_dtype.
+    Other formats (core/formats.py: fp8_e4m3, nf4, mxfp4, nvfp4, ...) fix bits and are symmetric; `bits`
+    left at its default takes the format's. MX fixes blocks of 32 and NVFP4 of 16 (group_size None takes
+    them), NF4 defaults to absmax blocks of 64; double_quant (NF4 only) double-quantizes the absmax.
+    scale_dtype None: the format's own (int float16, fp8/nf4 float32; MX E8M0 and NVFP4 E4M3 are fixed).
+    """
 
     bits: int = 4
     group_size: int | None = None
     symmetric: bool = True
-    scale_dtype: str = "float16"
+    scale_dtype: str | None = None
+    format: str = "int"
+    double_quant: bool = False
 
     def __post_init__(self):
-        check_int("bits", self.bits, 2, 8)
         check_int("group_size", self.group_size, 1, allow_none=True)  # omitted: per output channel
-        check_dtype("scale_dtype", self.scale_dtype)
+        if not isinstance(self.double_quant, bool):
+            raise ValueError(f"double_quant must be true or false, got {self.double_quant!r}")
+        if self.format == "int":
+            check_int("bits", self.bits, 2, 8)
+            if self.double_quant:
+                raise ValueError("double_quant applies to format 'nf4' only, not to integer grids")
+            if self.scale_dtype is not None and check_dtype("scale_dtype", self.scale_dtype) == "float16":
+                object.__setattr__(self, "scale_dtype", None)  # the default, spelled out
+            return
+        fmt = formats.get_format(self.format)
+        check_int("bits", self.bits, 2, 8)
+        if self.bits not in (4, fmt.bits):  # 4: the default, left as is
+            raise ValueError(f"format {fmt.name!r} has {fmt.bits}-bit elements; bits = {self.bits} contradicts it "
+                             f"(leave bits out or set {fmt.bits})")
+        if self.symmetric is not True:
+            raise ValueError(f"format {fmt.name!r} is symmetric (no zero point); symmetric = {self.symmetric!r}")
+        group = self.group_size if self.group_size is not None else fmt.block
+        if fmt.fixed_block and group != fmt.block:
+            raise ValueError(f"format {fmt.name!r} fixes blocks of {fmt.block} (its spec); group_size = "
+                             f"{self.group_size} is not allowed (leave it out)")
+        if fmt.scale != "float":
+            if self.scale_dtype is not None:
+                raise ValueError(f"format {fmt.name!r} stores its scales as {fmt.default_scale_dtype} (its spec); "
+                                 f"scale_dtype = {self.scale_dtype!r} is not allowed (leave it out)")
+        elif self.scale_dtype is not None and check_dtype("scale_dtype", self.scale_dtype) == fmt.default_scale_dtype:
+            object.__setattr__(self, "scale_dtype", None)
+        if self.double_quant and fmt.name != "nf4":
+            raise ValueError(f"double_quant applies to format 'nf4' only, not {fmt.name!r}")
+        object.__setattr__(self, "bits", fmt.bits)
+        object.__setattr__(self, "group_size", group)
+
+    @property
+    def fmt(self) -> formats.Format | None:
+        """The non-integer format, or None on an integer grid."""
+        return None if self.format == "int" else formats.FORMATS[self.format]
 
     @property
     def torch_scale_dtype(self) -> torch.dtype:
-        return resolve_dtype(self.scale_dtype)
+        """The dtype scales are rounded to (MX: powers of two and NVFP4: E4M3 values, held in float32)."""
+        if self.scale_dtype is not None:
+            return resolve_dtype(self.scale_dtype)
+        if self.fmt is None:
+            return torch.float16
+        return torch.float32 if self.fmt.scale != "float" else resolve_dtype(self.fmt.default_scale_dtype)
 
-    def qparams(self, w: torch.Tensor) -> QParams:
-        return qparams(w, self.bits, self.group_size, self.symmetric, self.torch_scale_dtype)
+    def qparams(self, w: torch.Tensor, tensor_amax: torch.Tensor | None = None) -> QParams:
+        """Min-max (absmax) qparams per group of w; tensor_amax: NVFP4's tensor-level amax (default w's own)."""
+        if self.fmt is None:
+            return qparams(w, self.bits, self.group_size, self.symmetric, self.torch_scale_dtype)
+        return formats.format_qparams(w, self.fmt, self.group_size, self.torch_scale_dtype, tensor_amax,
+                                      self.double_quant)
+
+    def fake_quantize(self, w: torch.Tensor, p: QParams, ste: bool = True) -> torch.Tensor:
+        """Float in, float out, on the grid."""
+        if self.fmt is None:
+            return fake_quantize(w, p, self.bits, self.group_size, ste=ste)
+        return formats.format_fake_quantize(w, p, self.fmt, self.group_size, ste=ste)
+
+    def encode(self, w: torch.Tensor, p: QParams) -> torch.Tensor:
+        """Float (..., K) -> unsigned codes in [0, 2^bits) as uint8 (integer grids: q - qmin)."""
+        if self.fmt is None:
+            q = quantize(w, p, self.bits, self.group_size).to(torch.int32)
+            return (q - code_range(self.bits, self.symmetric)[0]).to(torch.uint8)
+        return formats.format_quantize(w, p, self.fmt, self.group_size)
+
+    def scale_nbytes(self, n_scales: int) -> int:
+        """Bytes of n_scales group scales as stored (integer grids: + one zero byte each when asymmetric)."""
+        if self.fmt is None:
+            return n_scales * (self.torch_scale_dtype.itemsize + (0 if self.symmetric else 1))
+        return formats.scale_nbytes(self.fmt, n_scales, self.torch_scale_dtype, self.double_quant)
+
+    def describe(self) -> str:
+        g = "channel" if self.group_size is None else f"g{self.group_size}"
+        if self.fmt is None:
+            return f"w{self.bits} {g} {'sym' if self.symmetric else 'asym'}"
+        return f"{self.format}{'+dq' if self.double_quant else ''} {g}"
 
 
 class QuantLinear(nn.Module):
@@ -69,19 +145,40 @@ class QuantLinear(nn.Module):
     def current_qparams(self) -> QParams:
         return self.fixed_qparams if self.fixed_qparams is not None else self.spec.qparams(self.weight)
 
+    @property
+    def float_zero(self) -> bool:
+        """Real-valued zero points (HQQ): a frozen zero_f buffer, or fixed qparams with float_zero."""
+        if self.frozen:
+            return getattr(self, "zero_f", None) is not None
+        return self.fixed_qparams is not None and self.fixed_qparams.float_zero
+
     def quantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight the forward multiplies by: fake-quantized (prepared) or dequantized codes (frozen)."""
+        if self.frozen and self.spec.fmt is not None:
+            codes = packing.unpack(self.qweight, self.spec.bits, self.out_features * self.in_features)
+            codes = codes.view(self.out_features, self.in_features)
+            return formats.format_dequantize(codes, self.stored_qparams(), self.spec.fmt, self.spec.group_size,
+                                             dtype or torch.float32)
         if self.frozen:
             # unsigned codes u = q - qmin; (u - zero_u) * scale equals the fake-quant (q - zero) * scale exactly,
             # since u - zero_u == q - zero as integers (zero_u = zero - qmin, or -qmin when symmetric).
             codes = packing.unpack(self.qweight, self.spec.bits, self.out_features * self.in_features)
             codes = codes.view(self.out_features, self.in_features)
-            zero_u = self.zero_u if not self.spec.symmetric else torch.tensor(-code_range(self.spec.bits, True)[0])
-            return dequantize(codes, QParams(self.scale, zero_u), self.spec.group_size, dtype or torch.float32)
+            if self.float_zero:  # HQQ: asymmetric (qmin = 0), so u == q and (u - zero_f) * scale is the fake-quant's
+                p = QParams(self.scale, self.zero_f, float_zero=True)
+            else:
+                zero_u = self.zero_u if not self.spec.symmetric else torch.tensor(-code_range(self.spec.bits, True)[0])
+                p = QParams(self.scale, zero_u)
+            return dequantize(codes, p, self.spec.group_size, dtype or torch.float32)
         if not self.quant_enabled:
             return self.weight
-        p = self.current_qparams()
-        return fake_quantize(self.weight, p, self.spec.bits, self.spec.group_size)
+        return self.spec.fake_quantize(self.weight, self.current_qparams())
+
+    def stored_qparams(self) -> QParams:
+        """A frozen non-integer-format layer's qparams, rebuilt from its stored scale tensors."""
+        buffers = {k: getattr(self, k) for k in formats.SCALE_BUFFERS if getattr(self, k, None) is not None}
+        shape = (self.out_features, n_groups(self.in_features, self.spec.group_size))
+        return formats.qparams_from_storage(buffers, self.spec.fmt, torch.Size(shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_scale is not None:
@@ -96,11 +193,22 @@ class QuantLinear(nn.Module):
         if self.frozen:
             return
         p = self.current_qparams()
+        if self.spec.fmt is not None:
+            self.register_buffer("qweight", packing.pack(self.spec.encode(self.weight, p), self.spec.bits))
+            for key, value in formats.scale_storage(p, self.spec.fmt, self.spec.torch_scale_dtype).items():
+                self.register_buffer(key, value)
+            self.weight, self.fixed_qparams, self.frozen = None, None, True
+            return
         codes = quantize(self.weight, p, self.spec.bits, self.spec.group_size).to(torch.int32)
         unsigned = codes - code_range(self.spec.bits, self.spec.symmetric)[0]
         self.register_buffer("qweight", packing.pack(unsigned, self.spec.bits))
         self.register_buffer("scale", p.scale.clone())
-        if p.zero is not None:  # asymmetric codes are already unsigned (qmin = 0)
+        if p.float_zero:  # HQQ's real-valued zero, stored as the forward used it (no rounding here)
+            if p.zero.dtype != self.spec.torch_scale_dtype:
+                raise ValueError(f"a float zero must be in the scale dtype {self.spec.torch_scale_dtype}, "
+                                 f"got {p.zero.dtype} (round it there before the fake-quant forward)")
+            self.register_buffer("zero_f", p.zero.clone())
+        elif p.zero is not None:  # asymmetric codes are already unsigned (qmin = 0)
             self.register_buffer("zero_u", p.zero.to(torch.uint8))
         self.weight = None
         self.fixed_qparams = None
@@ -108,16 +216,18 @@ class QuantLinear(nn.Module):
 
     def storage_bytes(self) -> int:
         """Bytes of the quantized weight: codes + scales + zeros (bias excluded)."""
+        if self.frozen and self.spec.fmt is not None:
+            return self.qweight.nbytes + sum(getattr(self, k).nbytes for k in formats.SCALE_BUFFERS
+                                             if getattr(self, k, None) is not None)
         if self.frozen:
-            zero = 0 if self.spec.symmetric else self.zero_u.nbytes
+            zero = 0 if self.spec.symmetric else (self.zero_f if self.float_zero else self.zero_u).nbytes
             return self.qweight.nbytes + self.scale.nbytes + zero
         n = self.out_features * self.in_features
         groups = self.out_features * n_groups(self.in_features, self.spec.group_size)
-        scale_bytes = groups * self.spec.torch_scale_dtype.itemsize
-        return packing.packed_nbytes(n, self.spec.bits) + scale_bytes + (0 if self.spec.symmetric else groups)
+        if self.float_zero:  # HQQ: a scale and a zero per group, both in the scale dtype (freeze checks it)
+            return packing.packed_nbytes(n, self.spec.bits) + 2 * groups * self.spec.torch_scale_dtype.itemsize
+        return packing.packed_nbytes(n, self.spec.bits) + self.spec.scale_nbytes(groups)
 
     def extra_repr(self) -> str:
-        s = self.spec
-        g = "channel" if s.group_size is None else f"g{s.group_size}"
-        return (f"in={self.in_features}, out={self.out_features}, w{s.bits} {g} "
-                f"{'sym' if s.symmetric else 'asym'}, {'frozen' if self.frozen else 'fake-quant'}")
+        return (f"in={self.in_features}, out={self.out_features}, {self.spec.describe()}, "
+                f"{'frozen' if self.frozen else 'fake-quant'}")

@@ -103,6 +103,10 @@ class AWQConfig:
         check_choice("scale_loss", self.scale_loss, SCALE_LOSSES)
         check_choice("clip", self.clip, CLIPS)
         check_choice("block_inputs", self.block_inputs, BLOCK_INPUTS)
+        formats_used = {base.format} | {o.format for o in base.overrides if o.format is not None}
+        if self.clip == "minmax" and formats_used != {"int"}:
+            raise ValueError(f"awq: clip = \"minmax\" shrinks integer min/max ranges; format(s) "
+                             f"{', '.join(sorted(formats_used - {'int'}))} take clip = \"symmetric\" (the default)")
 
     @property
     def clip_ratios(self) -> list[float]:

@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from ..core.primitives import QParams, _grouped, _ungrouped, fake_quantize, n_groups, qparams_from_range
+from ..core.primitives import QParams, _grouped, _ungrouped, n_groups, qparams_from_range
 from ..core.qlinear import WeightSpec
 
 
@@ -40,7 +40,7 @@ def output_sq_error(delta_w: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
 
 def fake_quant_weight(w: torch.Tensor, spec: WeightSpec, p: QParams | None = None) -> torch.Tensor:
     """Q(w) on the spec's grid with min-max qparams, or `p` when given."""
-    return fake_quantize(w, spec.qparams(w) if p is None else p, spec.bits, spec.group_size, ste=False)
+    return spec.fake_quantize(w, spec.qparams(w) if p is None else p, ste=False)
 
 
 def scaled_weight(w: torch.Tensor, s: torch.Tensor, spec: WeightSpec) -> torch.Tensor:

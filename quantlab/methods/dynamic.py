@@ -13,21 +13,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.activations import DynamicActQuant, attach_act_quant, check_act_bits
+from ..core.activations import DynamicActQuant, attach_act_quant, check_act_format
 from ..core.registry import Method, as_weight_base, get_method, needs_calibration, register_method
 from .rtn import RTNConfig
 
 
 @dataclass(frozen=True)
 class DynamicConfig:
-    """act_bits 4..8, per-token; base: the weight method's config (default RTN int8 per-channel sym)."""
+    """act_bits 4..8, per-token; base: the weight method's config (default RTN int8 per-channel sym).
+
+    act_format: "int", or a number format (core/formats.py): fp8_e4m3 / fp8_e5m2 per token, MX formats per
+    block of 32, nvfp4 per block of 16 (W4A4 in MXFP4 / NVFP4); a format fixes act_bits.
+    """
 
     act_bits: int = 8
     act_symmetric: bool = True
     base: Any = RTNConfig(bits=8)
+    act_format: str = "int"
 
     def __post_init__(self):
-        check_act_bits(self.act_bits, self.act_symmetric)
+        object.__setattr__(self, "act_bits", check_act_format(self.act_format, self.act_bits, self.act_symmetric))
         object.__setattr__(self, "base", as_weight_base(self.base, "dynamic"))
 
 
@@ -54,4 +59,4 @@ class Dynamic(Method):
 
     def convert(self, model, config: DynamicConfig) -> None:
         get_method(config.base).convert(model, config.base)
-        attach_act_quant(model, lambda name: DynamicActQuant(config.act_bits, config.act_symmetric), self.name)
+        attach_act_quant(model, lambda name: DynamicActQuant(config.act_bits, config.act_symmetric, config.act_format), self.name)

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..core import formats
 from ..core.checks import check_int
 from ..core.lifecycle import freeze_all, swap_in_quant_linears
 from ..core.observers import HessianObserver, attach_input_observers
@@ -40,6 +41,9 @@ class GPTQConfig(RTNConfig):
     def __post_init__(self):
         super().__post_init__()
         check_int("block_size", self.block_size, 1)
+        if self.double_quant:
+            raise ValueError("gptq: double_quant needs every absmax of a layer at once, but GPTQ sets group scales "
+                             "column by column; use method = \"rtn\" for NF4 with double quantization")
         if not 0 < self.damp < 1:
             raise ValueError(f"damp must be in (0, 1), got {self.damp!r}")
 
@@ -97,7 +101,8 @@ def gptq_solve_detailed(
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     g = spec.group_size or n_cols
-    static = spec.qparams(w)  # per-channel params, or act_order's groups fixed up front
+    tensor_amax = w.abs().amax()  # NVFP4's tensor scale stays that of the whole (original) weight
+    static = spec.qparams(w, tensor_amax)  # per-channel params, or act_order's groups fixed up front
     perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(n_cols, device=w.device)
     w, h = w[:, perm], h[perm][:, perm]
     hinv, damp_used = _upper_cholesky_of_inverse(h, damp, where)
@@ -112,7 +117,7 @@ def gptq_solve_detailed(
         for i in range(i2 - i1):
             col = i1 + i
             if dynamic and col % g == 0:  # group params from the error-updated weights of the group's columns
-                p = spec.qparams(torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :g])
+                p = spec.qparams(torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :g], tensor_amax)
                 scales[:, col // g] = p.scale[:, 0]
                 if zeros is not None:
                     zeros[:, col // g] = p.zero[:, 0]
@@ -120,15 +125,19 @@ def gptq_solve_detailed(
                 group = group_of[col]
                 s = scales[:, group].float()
                 z = torch.zeros_like(s) if zeros is None else zeros[:, group].float()
-            # the same float ops as primitives.quantize/dequantize, inlined for speed: bitwise equal results
-            q = (torch.clamp(torch.round(w1[:, i] / s) + z, qmin, qmax) - z) * s
+            if spec.fmt is not None:  # a number format: the column on its grid with the group's scale
+                pcol = formats.with_scales(s[:, None], static, spec.fmt)
+                q = formats.format_fake_quantize(w1[:, i:i + 1], pcol, spec.fmt, None, ste=False)[:, 0]
+            else:  # the same float ops as primitives.quantize/dequantize, inlined for speed: bitwise equal results
+                q = (torch.clamp(torch.round(w1[:, i] / s) + z, qmin, qmax) - z) * s
             q_all[:, col] = q
             err = (w1[:, i] - q) / hinv[col, col]
             w1[:, i:].addr_(err, hinv[col, col:i2], alpha=-1)  # rank-1 update of the block's remaining columns
             err1[:, i] = err
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
     inverse = torch.argsort(perm)
-    return GPTQSolution(q_all[:, inverse], QParams(scales, zeros), damp_used)
+    p = QParams(scales, zeros) if spec.fmt is None else formats.with_scales(scales, static, spec.fmt)
+    return GPTQSolution(q_all[:, inverse], p, damp_used)
 
 
 def _stages(block, config: GPTQConfig, model_type: str | None) -> list[list[str]]:

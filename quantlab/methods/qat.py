@@ -73,10 +73,26 @@ class QATConfig:
         if not isinstance(self.learn_scales, bool):
             raise ValueError(f"learn_scales must be true or false, got {self.learn_scales!r}")
         self.settings  # validates the training fields
+        used = number_formats(base)
+        if self.learn_scales and used:
+            raise ValueError(f"qat: learn_scales (LSQ) learns integer-grid scales and zero points; the base uses "
+                             f"format(s) {', '.join(sorted(used))}: set learn_scales = false (plain STE through "
+                             f"the format's rounding, scales fixed from the base)")
 
     @property
     def settings(self) -> TrainSettings:
         return TrainSettings(**{f.name: getattr(self, f.name) for f in fields(TrainSettings)})
+
+
+def number_formats(config: Any) -> set[str]:
+    """The non-integer formats (weights, per-layer overrides, activations) a config and its bases use."""
+    out = set()
+    for field in ("format", "act_format"):
+        if getattr(config, field, "int") != "int":
+            out.add(getattr(config, field))
+    out |= {o.format for o in getattr(config, "overrides", ()) if o.format not in (None, "int")}
+    base = getattr(config, "base", None)
+    return out | (number_formats(base) if base is not None and not isinstance(base, dict) else set())
 
 
 def attach_quantizers(model, config: QATConfig) -> int:
@@ -89,13 +105,13 @@ def attach_quantizers(model, config: QATConfig) -> int:
         if layer.weight_quant is not None:  # already attached (train() called again)
             continue
         p = layer.current_qparams()
-        p = QParams(p.scale.detach().clone(), None if p.zero is None else p.zero.detach().clone())
+        p = QParams(p.scale.detach().clone(), None if p.zero is None else p.zero.detach().clone(), p.extra)
         if config.learn_scales:
             layer.weight_quant = LearnedWeightQuant.from_qparams(p, layer.spec, layer.in_features)
         else:
             layer.fixed_qparams = p  # plain STE: the base's qparams, fixed (no min-max drift as weights move)
         if base_name == "dynamic" and layer.act_quant is None:  # the base adds these only in convert()
-            layer.act_quant = DynamicActQuant(config.base.act_bits, config.base.act_symmetric)
+            layer.act_quant = DynamicActQuant(config.base.act_bits, config.base.act_symmetric, config.base.act_format)
         if config.learn_scales and isinstance(layer.act_quant, StaticActQuant):
             layer.act_quant = LearnedStaticActQuant(layer.act_quant)
     return len(layers)

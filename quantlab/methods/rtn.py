@@ -16,13 +16,19 @@ from ..core.registry import LayerSelection, Method, register_method
 class RTNConfig:
     """bits 2..8; group_size None = per output channel; symmetric or asymmetric (zero point).
 
+    format: "int" (the integer grid) or a number format of core/formats.py (fp8_e4m3, nf4, mxfp4, nvfp4, ...),
+    which fixes bits (and MX / NVFP4 their block size); double_quant: NF4's double-quantized absmax.
+    scale_dtype None: the format's own (int float16, fp8 / nf4 float32).
+
     overrides: per-layer grids by name glob, later matches win (see quantlab/core/overrides.py).
     """
 
     bits: int = 4
     group_size: int | None = None
     symmetric: bool = True
-    scale_dtype: str = "float16"
+    scale_dtype: str | None = None
+    format: str = "int"
+    double_quant: bool = False
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ("lm_head",)
     overrides: tuple[LayerOverride, ...] = ()
@@ -31,7 +37,9 @@ class RTNConfig:
         object.__setattr__(self, "include", self.selection.include)
         object.__setattr__(self, "exclude", self.selection.exclude)
         object.__setattr__(self, "overrides", parse_overrides(self.overrides))
-        self.weight_spec  # validates bits / group_size / scale_dtype
+        spec = self.weight_spec  # validates; a format fills in its bits / block, a default scale_dtype reads None
+        for field in ("bits", "group_size", "scale_dtype"):
+            object.__setattr__(self, field, getattr(spec, field))
 
     def spec_for(self, name: str) -> WeightSpec:
         """The grid of layer `name`: weight_spec with the matching overrides applied."""
@@ -39,7 +47,7 @@ class RTNConfig:
 
     @property
     def weight_spec(self) -> WeightSpec:
-        return WeightSpec(self.bits, self.group_size, self.symmetric, self.scale_dtype)
+        return WeightSpec(self.bits, self.group_size, self.symmetric, self.scale_dtype, self.format, self.double_quant)
 
     @property
     def selection(self) -> LayerSelection:

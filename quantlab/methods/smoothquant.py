@@ -44,7 +44,6 @@ from torch import nn
 from ..core.activations import DynamicActQuant, StaticActQuant
 from ..core.lifecycle import quant_linears, run_calibration
 from ..core.observers import SmoothStats, attach_input_observers
-from ..core.primitives import fake_quantize
 from ..core.qlinear import WeightSpec
 from ..core.registry import (
     Method,
@@ -212,7 +211,7 @@ def weight_quantizer(spec: WeightSpec | None) -> Quantizer | None:
     """Round-to-nearest fake-quantizer on `spec`'s grid (None stays None: float)."""
     if spec is None:
         return None
-    return lambda w: fake_quantize(w, spec.qparams(w), spec.bits, spec.group_size, ste=False)
+    return lambda w: spec.fake_quantize(w, spec.qparams(w), ste=False)
 
 
 def act_quantizer(base: Any) -> Quantizer:
@@ -220,9 +219,9 @@ def act_quantizer(base: Any) -> Quantizer:
     if hasattr(base, "act_granularity"):  # static: a min-max range of the sample itself
         def act_fq(x):
             lo, hi = (x.amin(0), x.amax(0)) if base.act_granularity == "channel" else (x.amin(), x.amax())
-            return StaticActQuant.from_range(lo, hi, base.act_bits, base.act_symmetric)(x)
+            return StaticActQuant.from_range(lo, hi, base.act_bits, base.act_symmetric, base.act_format)(x)
         return act_fq
-    return DynamicActQuant(base.act_bits, base.act_symmetric)
+    return DynamicActQuant(base.act_bits, base.act_symmetric, base.act_format)
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..core.activations import StaticActQuant, check_act_bits
+from ..core.activations import STATIC_FORMATS, StaticActQuant, check_act_bits, check_act_format
 from ..core.checks import check_choice
 from ..core.lifecycle import quant_linears, run_calibration
 from ..core.observers import Observer, attach_input_observers, make_observer
@@ -39,9 +39,18 @@ class StaticConfig:
     observer: str = "minmax"
     percentile: float = 99.99  # used by observer = "percentile"
     base: Any = RTNConfig(bits=8)
+    act_format: str = "int"  # or fp8_e4m3 / fp8_e5m2 (symmetric, scale = observed amax / max element)
 
     def __post_init__(self):
-        check_act_bits(self.act_bits, self.act_symmetric)
+        if self.act_format == "int":
+            check_act_bits(self.act_bits, self.act_symmetric)
+        else:  # a format is symmetric: the default act_symmetric = false gives way
+            object.__setattr__(self, "act_symmetric", True)
+            object.__setattr__(self, "act_bits", check_act_format(self.act_format, self.act_bits, True,
+                                                                  "act_format", STATIC_FORMATS))
+            if self.observer == "mse":
+                raise ValueError(f"static: observer 'mse' searches integer grids; act_format {self.act_format!r} "
+                                 f"takes {', '.join(o for o in ACT_OBSERVERS if o != 'mse')}")
         check_choice("act_granularity", self.act_granularity, ACT_GRANULARITIES)
         check_choice("observer", self.observer, ACT_OBSERVERS)
         p = self.percentile
@@ -102,7 +111,8 @@ def observed_range(name: str, observer: Observer) -> tuple[torch.Tensor, torch.T
         raise ValueError(msg if name in msg else f"{name}: {msg}") from None
 
 
-def set_static_act_quant(model: nn.Module, observers: dict[str, Observer], bits: int, symmetric: bool) -> dict:
+def set_static_act_quant(model: nn.Module, observers: dict[str, Observer], bits: int, symmetric: bool,
+                         format: str = "int") -> dict:
     """Give every observed QuantLinear a StaticActQuant covering its observer's range.
 
     Returns a summary of the ranges for the result row: the largest max(|lo|, |hi|) over layers, its
@@ -112,7 +122,7 @@ def set_static_act_quant(model: nn.Module, observers: dict[str, Observer], bits:
         if name not in observers:
             raise ValueError(f"static: no activation statistics for {name}")
         lo, hi = observed_range(name, observers[name])
-        layer.act_quant = StaticActQuant.from_range(lo, hi, bits, symmetric)
+        layer.act_quant = StaticActQuant.from_range(lo, hi, bits, symmetric, format)
         absmax[name] = float(torch.maximum(lo.abs().max(), hi.abs().max()))
     top = max(absmax, key=absmax.get)
     return {"static_range_absmax_max": absmax[top], "static_range_absmax_max_layer": top,
@@ -137,7 +147,7 @@ class Static(Method):
         # weights are final after the base's calibrate (fake-quant forward == frozen forward), so the
         # ranges observed here are those the converted model's activations will have
         observers = observe_activations(model, batches, observer_factory(config), progress)
-        ranges = set_static_act_quant(model, observers, config.act_bits, config.act_symmetric)
+        ranges = set_static_act_quant(model, observers, config.act_bits, config.act_symmetric, config.act_format)
         return {**(diagnostics or {}), **ranges}
 
     def convert(self, model, config: StaticConfig) -> None:

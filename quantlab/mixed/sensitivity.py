@@ -236,7 +236,7 @@ def _row(model, unit: Unit, config: RTNConfig, cfg: dict, metrics: dict, granula
         "unit": unit.name, "type": unit.type, "block": unit.block, "granularity": granularity,
         "layers": len(unit.layers), "params": params, "candidate": scheme(cfg, ""),
         "bits": config.bits, "group_size": config.group_size, "symmetric": config.symmetric,
-        "quant_bytes": nbytes, "bits_per_weight": 8 * nbytes / params,
+        "format": config.format, "quant_bytes": nbytes, "bits_per_weight": 8 * nbytes / params,
         "kl_mean": metrics["kl_mean"], "ppl": math.exp(metrics["nll_mean"]),
         "ppl_float": math.exp(metrics["float_nll_mean"]), "kl_tokens": metrics["kl_tokens"],
         "config": json.dumps(cfg, sort_keys=True),

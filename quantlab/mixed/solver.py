@@ -142,7 +142,7 @@ def solve_budget(rows: list[dict], target_bits: float | None = None, target_byte
     )
 
 
-_GRID_KEYS = ("bits", "group_size", "symmetric", "scale_dtype")
+_GRID_KEYS = ("bits", "group_size", "symmetric", "scale_dtype", "format", "double_quant")
 
 
 def _grid(cfg: dict) -> tuple:
@@ -166,6 +166,7 @@ def mixed_run_table(name: str, plan: Plan) -> dict:
         for k in _GRID_KEYS:
             if cfg.get(k) != base.get(k) or k in ("bits", "group_size"):
                 o[k] = CHANNEL if k == "group_size" and cfg.get(k) is None else cfg.get(k)
+        o = {k: v for k, v in o.items() if v is not None}  # scale_dtype None: the format's default (TOML has no null)
         overrides.append(o)
     if overrides:
         table["overrides"] = overrides

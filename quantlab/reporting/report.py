@@ -60,6 +60,8 @@ def scheme(cfg: dict, dtype: str) -> str:
     if "bits" in cfg:
         g = "channel" if cfg.get("group_size") is None else f"g{cfg['group_size']}"
         text = f"w{cfg['bits']} {g} {'sym' if cfg.get('symmetric', True) else 'asym'}"
+        if cfg.get("format", "int") != "int":  # a number format (core/formats.py) names itself
+            text = f"{cfg['format']}{'+dq' if cfg.get('double_quant') else ''} {g}"
         if cfg.get("overrides"):  # per-layer grids (quantlab.core.overrides): the base grid is not the whole story
             text += f" + {len(cfg['overrides'])} overrides"
     elif isinstance(cfg.get("base"), dict):
@@ -70,7 +72,8 @@ def scheme(cfg: dict, dtype: str) -> str:
         text += f" + QAT {'LSQ' if cfg.get('learn_scales', True) else 'STE'}"
     if "act_bits" in cfg:
         kind = "dynamic" if cfg["method"] == "dynamic" else f"static {cfg.get('act_granularity', '')} {cfg.get('observer', '')}"
-        text += f" + a{cfg['act_bits']} {kind.strip()}"
+        act = f"a{cfg['act_bits']}" if cfg.get("act_format", "int") == "int" else f"a-{cfg['act_format']}"
+        text += f" + {act} {kind.strip()}"
     return text
 
 
