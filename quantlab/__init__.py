@@ -13,6 +13,7 @@ from .eval import measure_latency, perplexity, reference_logprobs, weight_stats
 from .methods.awq import AWQConfig
 from .methods.dynamic import DynamicConfig
 from .methods.gptq import GPTQConfig
+from .methods.hqq import HQQConfig
 from .methods.none import NoneConfig
 from .methods.qat import QATConfig
 from .methods.rtn import RTNConfig
@@ -26,6 +27,6 @@ from .runs.runner import run_experiment
 __all__ = [
     "quantize", "run_calibration", "select_linears", "calibration_windows", "eval_windows", "load_token_ids",
     "measure_latency", "perplexity", "reference_logprobs", "weight_stats", "load_experiment", "parse_experiment",
-    "NoneConfig", "RTNConfig", "GPTQConfig", "AWQConfig", "DynamicConfig", "StaticConfig", "SmoothQuantConfig", "load_model", "model_info", "QuantLinear", "WeightSpec", "get_method",
+    "NoneConfig", "RTNConfig", "GPTQConfig", "HQQConfig", "AWQConfig", "DynamicConfig", "StaticConfig", "SmoothQuantConfig", "load_model", "model_info", "QuantLinear", "WeightSpec", "get_method",
     "known_methods", "make_config", "run_experiment", "QATConfig", "load_quantized", "save_quantized",
 ]

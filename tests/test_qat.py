@@ -161,10 +161,12 @@ BASES = [
     {"method": "static", "base": {"method": "rtn", "bits": 4, "group_size": 32}, "act_granularity": "channel"},
     {"method": "static", "base": {"method": "rtn", "bits": 4}, "act_symmetric": True},
 ]
+HQQ_BASES = [{"method": "hqq", "bits": 4, "group_size": 32},  # real-valued zeros: plain STE only
+             {"method": "dynamic", "base": {"method": "hqq", "bits": 3, "group_size": 32}}]
 
 
-@pytest.mark.parametrize("base", BASES, ids=lambda b: json.dumps(b).replace(" ", ""))
-@pytest.mark.parametrize("learn_scales", [False, True])
+@pytest.mark.parametrize("base,learn_scales", [(b, ls) for b in BASES for ls in (False, True)]
+                         + [(b, False) for b in HQQ_BASES], ids=lambda b: json.dumps(b).replace(" ", ""))
 def test_convert_equals_fake_quant_exactly_and_matches_ptq_form(base, learn_scales):
     teacher, data = _tiny_lm(), _data(n=8)
     calib = [w.unsqueeze(0) for w in data]
@@ -284,7 +286,8 @@ def test_checkpoint_from_another_config_is_refused(tmp_path, monkeypatch):
     ({"dtype": "int8"}, r"unknown training dtype 'int8'; known: float32, float16, bfloat16"),
     ({"ce_weight": 0, "kd_weight": 0}, r"both 0"),
     ({"learn_scales": "yes"}, r"learn_scales must be true or false"),
-    ({"base": {"method": "none"}}, r"base must be one of awq, dynamic, gptq, rtn, static .* got 'none'"),
+    ({"base": {"method": "none"}}, r"base must be one of awq, dynamic, gptq, hqq, rtn, static .* got 'none'"),
+    ({"base": {"method": "dynamic", "base": {"method": "hqq"}}}, r"hqq base has real-valued zeros"),
     ({"base": {"method": "smoothquant"}}, r"base must be one of .* got 'smoothquant'"),
     ({"base": {"method": "rtn", "bits": 9}}, r"base: bits must be an integer in 2..8"),
     ({"stepz": 3}, r"unknown config key\(s\) 'stepz' for method 'qat'"),
@@ -350,3 +353,29 @@ def test_runner_row_has_train_fields_and_checkpoints_are_removed(tiny_model_dir,
     assert "train steps" in (tmp_path / "reports" / "tiny_qat.md").read_text()
     # a run key covers the training data protocol; PTQ rows' keys are unchanged by this
     assert runner.run_key(exp, exp.runs[1], torch.device("cpu")) == df.iloc[1]["run_key"]
+
+
+@pytest.mark.parametrize("base", [
+    {"method": "rtn", "format": "mxfp4"}, {"method": "gptq", "format": "nvfp4"},
+    {"method": "dynamic", "act_format": "fp8_e4m3", "base": {"method": "rtn", "format": "fp8_e4m3"}},
+], ids=["mxfp4", "gptq-nvfp4", "fp8-w8a8"])
+def test_qat_on_a_number_format_trains_with_ste_and_converts_exactly(base):
+    """Plain STE through the format's rounding: weights move, scales stay the base's, frozen == fake-quant."""
+    teacher, data = _tiny_lm(), _data(n=8)
+    calib = [w.unsqueeze(0) for w in data]
+    config = _qat(base, learn_scales=False, steps=3, lr=1e-2)
+    method = quantlab.get_method(config)
+    model = copy.deepcopy(teacher)
+    method.prepare(model, config)
+    if method.needs_calibration_for(config):
+        method.calibrate(model, config, calib)
+    before = {n: m.weight.detach().clone() for n, m in quantlab.core.lifecycle.quant_linears(model).items()}
+    method.train(model, config, data, teacher, progress=False)
+    layers = quantlab.core.lifecycle.quant_linears(model)
+    assert any(not torch.equal(layers[n].weight, w) for n, w in before.items())
+    with torch.no_grad():
+        fake = model(data[:2]).logits
+    method.convert(model, config)
+    with torch.no_grad():
+        assert torch.equal(model(data[:2]).logits, fake)
+    assert all(m.frozen and m.spec.fmt is not None for m in layers.values())

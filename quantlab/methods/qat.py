@@ -35,7 +35,7 @@ from ..qat.settings import TrainSettings
 from ..qat.train import train
 from .rtn import RTNConfig
 
-QAT_BASES = ("awq", "dynamic", "gptq", "rtn", "static")  # methods whose QuantLinear layers exist after prepare()
+QAT_BASES = ("awq", "dynamic", "gptq", "hqq", "rtn", "static")  # methods whose QuantLinear layers exist after prepare()
 _S = TrainSettings  # defaults below are TrainSettings' own
 
 
@@ -73,6 +73,9 @@ class QATConfig:
         if not isinstance(self.learn_scales, bool):
             raise ValueError(f"learn_scales must be true or false, got {self.learn_scales!r}")
         self.settings  # validates the training fields
+        if self.learn_scales and "hqq" in nested_methods(base):
+            raise ValueError("qat: learn_scales (LSQ) learns integer zero points, but an hqq base has real-valued "
+                             "zeros (its stored form); set learn_scales = false (plain STE, HQQ's qparams fixed)")
         used = number_formats(base)
         if self.learn_scales and used:
             raise ValueError(f"qat: learn_scales (LSQ) learns integer-grid scales and zero points; the base uses "
@@ -82,6 +85,12 @@ class QATConfig:
     @property
     def settings(self) -> TrainSettings:
         return TrainSettings(**{f.name: getattr(self, f.name) for f in fields(TrainSettings)})
+
+
+def nested_methods(config: Any) -> set[str]:
+    """The method names of a config and its bases."""
+    base = getattr(config, "base", None)
+    return {get_method(config).name} | (nested_methods(base) if base is not None and not isinstance(base, dict) else set())
 
 
 def number_formats(config: Any) -> set[str]:
@@ -105,7 +114,8 @@ def attach_quantizers(model, config: QATConfig) -> int:
         if layer.weight_quant is not None:  # already attached (train() called again)
             continue
         p = layer.current_qparams()
-        p = QParams(p.scale.detach().clone(), None if p.zero is None else p.zero.detach().clone(), p.extra)
+        p = QParams(p.scale.detach().clone(), None if p.zero is None else p.zero.detach().clone(), p.extra,
+                    p.float_zero)
         if config.learn_scales:
             layer.weight_quant = LearnedWeightQuant.from_qparams(p, layer.spec, layer.in_features)
         else:
