@@ -15,7 +15,24 @@ def cmd_list(args) -> int:
     for name in known_methods():
         fields = ", ".join(f"{k}={v!r}" for k, v in config_fields(name).items())
         print(f"{name:10s} {fields}")
+    print("\nformats (format = ... on rtn / gptq / awq bases, overrides; act_format = ... on dynamic / static):")
+    for line in format_table():
+        print(line)
     return 0
+
+
+def format_table() -> list[str]:
+    """One line per weight format: name, element bits, block, scale storage, bits per weight (1 x 4096 row)."""
+    from ..core.formats import FORMATS
+    from ..core.qlinear import QuantLinear, WeightSpec
+
+    lines = [f"  {'int':12s} bits 2..8, group_size None (channel) or any, sym / asym, fp16 scales (+ 8-bit zero)"]
+    for name, fmt in FORMATS.items():
+        spec = WeightSpec(format=name)
+        bpw = 8 * QuantLinear(4096, 1, False, spec).storage_bytes() / 4096
+        block = "channel" if spec.group_size is None else f"block {spec.group_size}"
+        lines.append(f"  {name:12s} {fmt.bits}-bit, {block}, {bpw:.3f} bits/w: {fmt.summary}")
+    return lines
 
 
 def cmd_info(args) -> int:
@@ -43,7 +60,7 @@ def cmd_estimate(args) -> int:
 
 def add_commands(sub) -> None:
     """Register list / info / estimate on the main parser's subparsers."""
-    sub.add_parser("list", help="registered methods and their config fields").set_defaults(func=cmd_list)
+    sub.add_parser("list", help="registered methods, their config fields, and the number formats").set_defaults(func=cmd_list)
     p = sub.add_parser("info", help="parameter count, tied embeddings and linear layers of a model")
     p.add_argument("model")
     p.set_defaults(func=cmd_info)
