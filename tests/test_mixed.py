@@ -117,3 +117,29 @@ def test_missing_candidate_for_a_layer_fails():
     rows = _rows()[:-1]
     with pytest.raises(ValueError, match=r"lacks 1 \(layer, candidate\) pairs, e.g. \('l.1.down', 'w8'\)"):
         solve_budget(rows, target_bits=4.0)
+
+
+def test_formats_are_mixed_precision_candidates_and_the_run_table_is_toml():
+    """Candidates over number formats (as sensitivity rows store them: config_to_dict, scale_dtype None) give
+    overrides naming each layer's format, with no null the TOML writer could not store."""
+    import tomlkit
+
+    from quantlab.core.registry import config_to_dict
+    from quantlab.core.qlinear import QuantLinear
+
+    candidates = [make_config({"method": "rtn", "format": f}) for f in ("mxfp4", "nf4", "fp8_e4m3")]
+    rows = []
+    for name, scale in [("l.0.q", 1.0), ("l.0.down", 20.0), ("l.1.q", 0.5), ("l.1.down", 5.0)]:
+        for cfg in candidates:
+            spec = cfg.weight_spec
+            rows.append({"unit": name, "granularity": "layer", "params": 4096, "candidate": spec.describe(),
+                         "quant_bytes": QuantLinear(128, 32, False, spec).storage_bytes(),
+                         "kl_mean": scale * 2.0 ** (-2 * spec.bits), "config": json.dumps(config_to_dict(cfg))})
+    plan = solve_budget(rows, target_bits=5.5)
+    assert plan.assignment["l.0.down"]["format"] == "fp8_e4m3"  # the sensitive layer gets FP8
+    table = mixed_run_table("mixed-5b", plan)
+    tomlkit.dumps({"run": [table]})  # raises on a None anywhere
+    table.pop("name")
+    cfg = make_config(table)
+    for name, chosen in plan.assignment.items():
+        assert cfg.spec_for(name).format == chosen["format"]
