@@ -96,7 +96,8 @@ def test_fp8_encoding_equals_torch_saturated_cast(name, dtype):
     mids = (mags[:-1] + mags[1:]) / 2  # every tie
     x = torch.cat([torch.randn(20000, generator=g) * e.max_value / 4, mids, -mids, mags, torch.tensor([1e30, -1e30])])
     expected = x.clamp(-e.max_value, e.max_value).to(dtype).view(torch.uint8)
-    assert torch.equal(F.encode(x, e), expected)
+    assert torch.equal(F.encode_by_table(x, e), expected)  # the table search, the reference for every format
+    assert torch.equal(F.encode(x, e), expected)  # the fast path encode() takes for FP8
 
 
 @pytest.mark.parametrize("name,fn", [("e2m1", "f32_to_f4_unpacked"), ("e2m3", "f32_to_f6_e2m3_unpacked"),
@@ -109,6 +110,7 @@ def test_fp6_fp4_encoding_equals_torchao(name, fn):
     x = torch.cat([torch.randn(20000, generator=torch.Generator().manual_seed(1)) * e.max_value / 3,
                    mids, -mids, mags, -mags]).clamp(-e.max_value, e.max_value)  # torchao clamps before its cast
     assert torch.equal(F.encode(x, e), getattr(kernels, fn)(x))
+    assert torch.equal(F.encode_by_table(x, e), F.encode(x, e))
 
 
 def test_mxint8_elements_are_sixty_fourths_symmetric():
@@ -245,10 +247,14 @@ def test_packed_codes_are_dense():
 @pytest.mark.parametrize("spec", [
     {"method": "rtn", "format": "nf4", "double_quant": True},
     {"method": "rtn", "format": "mxfp4", "overrides": [{"pattern": "*.down_proj", "format": "nvfp4"}]},
-    {"method": "rtn", "format": "fp8_e4m3"},
+    {"method": "rtn", "format": "fp8_e4m3", "overrides": [  # every other format on its own layer type
+        {"pattern": "*.q_proj", "format": "fp8_e5m2"}, {"pattern": "*.k_proj", "format": "mxfp6_e3m2"},
+        {"pattern": "*.v_proj", "format": "mxfp8_e5m2"}, {"pattern": "*.o_proj", "format": "mxint8"},
+        {"pattern": "*.gate_proj", "format": "nf4"}, {"pattern": "*.up_proj", "format": "mxfp6_e2m3"},
+        {"pattern": "*.down_proj", "format": "mxfp8_e4m3"}]},
     {"method": "dynamic", "act_format": "mxfp4", "base": {"method": "rtn", "format": "mxfp4"}},
     {"method": "static", "act_format": "fp8_e4m3", "base": {"method": "rtn", "format": "fp8_e4m3"}},
-], ids=["nf4dq", "mxfp4+nvfp4", "fp8", "w4a4-mxfp4", "w8a8-fp8-static"])
+], ids=["nf4dq", "mxfp4+nvfp4", "all-formats", "w4a4-mxfp4", "w8a8-fp8-static"])
 def test_save_load_round_trips_every_format_bit_for_bit(tiny_model_dir, tmp_path, spec):
     from quantlab.backends.serialize import load_quantized, save_quantized
     from quantlab.core.lifecycle import quant_linears
@@ -263,6 +269,7 @@ def test_save_load_round_trips_every_format_bit_for_bit(tiny_model_dir, tmp_path
     with torch.inference_mode():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
     a, b = quant_linears(model), quant_linears(loaded)
+    assert {m.spec for m in a.values()} == {m.spec for m in b.values()}
     for name in a:
         sa, sb = a[name].state_dict(), b[name].state_dict()
         assert sa.keys() == sb.keys()

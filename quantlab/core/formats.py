@@ -143,6 +143,14 @@ def encode(x: torch.Tensor, e: Element) -> torch.Tensor:
     x = x.detach().float()
     if torch.isnan(x).any():
         raise ValueError(f"cannot encode NaN as {e.name}")
+    if e.name in TORCH_FP8:  # the same rounding (RNE, saturated by the clamp) as the table search, much faster
+        return x.clamp(-e.max_value, e.max_value).to(TORCH_FP8[e.name]).view(torch.uint8)
+    return encode_by_table(x, e)
+
+
+def encode_by_table(x: torch.Tensor, e: Element) -> torch.Tensor:
+    """encode() by a nearest-level search over the format's own value table (the reference for every format)."""
+    x = x.detach().float()
     table = finite_magnitudes(e).to(x.device)
     if e.kind == "nf":
         return _nearest(table, x.clamp(-1.0, 1.0).contiguous(), ties_even=False).to(torch.uint8)
@@ -151,6 +159,9 @@ def encode(x: torch.Tensor, e: Element) -> torch.Tensor:
     if e.kind == "int":
         return torch.where(torch.signbit(x), -idx, idx).to(torch.int16).bitwise_and(0xFF).to(torch.uint8)
     return (idx | (torch.signbit(x).to(idx.dtype) << (e.bits - 1))).to(torch.uint8)
+
+
+TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
 def decode(codes: torch.Tensor, e: Element, dtype: torch.dtype = torch.float32) -> torch.Tensor:
