@@ -62,11 +62,15 @@ def test_on_the_fly_reference_equals_the_stored_one_exactly(tiny_model_dir):
     and log_softmax on the same window, so every output is bitwise equal (atol 0)."""
     q, float_model = _quantized_and_float(tiny_model_dir)
     windows = _windows(5, 24)
-    stored = perplexity(q, windows, reference_logprobs(float_model, windows[:3], progress=False), progress=False)
-    live = perplexity(q, windows, float_model, progress=False, kl_windows=3)
+    stored = perplexity(q, windows, reference_logprobs(float_model, windows[:3], progress=False), progress=False,
+                        batch_size=1)
+    live = perplexity(q, windows, float_model, progress=False, kl_windows=3, batch_size=1)
     assert live["kl_reference_s"] >= 0
     for key in ("kl_mean", "top1_agree", "kl_tokens", "ppl", "window_nll"):
         assert live[key] == stored[key], key
+    batched = perplexity(q, windows, float_model, progress=False, kl_windows=3, batch_size=4)  # other GEMM shapes
+    assert batched["kl_mean"] == pytest.approx(stored["kl_mean"], rel=1e-3)  # KL: a small difference of logs
+    assert batched["window_nll"] == pytest.approx(stored["window_nll"], rel=1e-6)
     assert live["kl_tokens"] == 3 * 24 and live["kl_mean"] > 0
     every = perplexity(q, windows, float_model, progress=False)  # kl_windows None: all windows
     assert every["kl_tokens"] == 5 * 24
@@ -77,53 +81,79 @@ def test_on_the_fly_reference_equals_the_stored_one_exactly(tiny_model_dir):
         perplexity(q, windows, float_model, kl_windows=-1)
 
 
-def _max_live_logit_tensors(monkeypatch, q, windows, kl_windows=None, stored=None) -> int:
-    """The most (T, V) tensors (logits, log-probs) alive at once during perplexity(), counted at every
-    forward by weak references to each one perplexity.py creates. stored=k: the list form with k windows."""
+def test_loss_never_materialises_full_logits_and_kl_memory_is_per_batch(tiny_model_dir, monkeypatch):
+    """Counted: the output head only ever sees `chunk` positions of a batch (never (T, V) logits), and at most
+    two scorers (the model's and the reference's hidden states) are alive at once, whatever kl_windows is."""
     import sys
     import weakref
 
-    ppl_module = sys.modules["quantlab.eval.perplexity"]  # the module (the package exports the function by that name)
-    refs, peak = [], [0]
-    real_logits, real_f = ppl_module._logits, ppl_module.F
+    ppl_module = sys.modules["quantlab.eval.perplexity"]
+    q, float_model = _quantized_and_float(tiny_model_dir)
+    windows = _windows(6, 48)
+    seen, alive, peak = [], [], [0]
+    real_init, real_logits = ppl_module._Scorer.__init__, ppl_module._Scorer.logits
 
-    class TrackingF:  # torch.nn.functional, recording what log_softmax returns
-        def __getattr__(self, name):
-            return getattr(real_f, name)
+    def init(self, model, ids):
+        real_init(self, model, ids)
+        alive.append(weakref.ref(self))
+        peak[0] = max(peak[0], sum(r() is not None for r in alive))
 
-        def log_softmax(self, *args, **kwargs):
-            out = real_f.log_softmax(*args, **kwargs)
-            refs.append(weakref.ref(out))
-            return out
-
-    def counting_logits(model, window):
-        peak[0] = max(peak[0], sum(r() is not None for r in refs))
-        out = real_logits(model, window)
-        refs.append(weakref.ref(out))
+    def logits(self, c0, c1):
+        out = real_logits(self, c0, c1)
+        seen.append(out.shape[1])
         return out
 
-    monkeypatch.setattr(ppl_module, "F", TrackingF())
-    monkeypatch.setattr(ppl_module, "_logits", counting_logits)
-    float_model = q.reference_model
-    reference = float_model if stored is None else reference_logprobs(float_model, windows[:stored], progress=False)
-    peak[0] = 0  # count from the evaluation on (the list already holds its tensors)
-    perplexity(q.model, windows, reference, progress=False, kl_windows=kl_windows)
-    monkeypatch.undo()
-    return peak[0]
+    monkeypatch.setattr(ppl_module._Scorer, "__init__", init)
+    monkeypatch.setattr(ppl_module._Scorer, "logits", logits)
+    for k in (1, 6):
+        peak[0] = 0
+        got = perplexity(q, windows, float_model, progress=False, kl_windows=k, batch_size=2, chunk=16)
+        assert got["kl_tokens"] == k * 48 and peak[0] <= 2
+    assert seen and max(seen) == 16  # 48 positions in chunks of 16
 
 
-def test_on_the_fly_reference_memory_does_not_grow_with_kl_windows(tiny_model_dir, monkeypatch):
-    """Counted: (T, V) tensors alive at each forward. Stored log-probs hold one per KL window; the on-the-fly
-    reference holds only the current window's reference log-probs, whatever the number of KL windows."""
-    from types import SimpleNamespace
+def test_batched_perplexity_equals_one_window_at_a_time(tiny_model_dir):
+    """Batches of 1, 2, 4 and the auto batch give the same per-window NLL to 1e-6 relative, and the chunked loss
+    equals F.cross_entropy on full logits."""
+    q, _ = _quantized_and_float(tiny_model_dir)
+    windows = _windows(5, 40)
+    one = perplexity(q, windows, progress=False, batch_size=1)
+    with torch.inference_mode():
+        full = [torch.nn.functional.cross_entropy(q(w[None]).logits[0, :-1], w[1:], reduction="sum").item()
+                for w in windows]
+    assert one["window_nll"] == pytest.approx(full, rel=1e-6)
+    for b in (2, 4, None):
+        got = perplexity(q, windows, progress=False, batch_size=b, chunk=7)
+        assert got["window_nll"] == pytest.approx(one["window_nll"], rel=1e-6), b
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1 or None .*got 0"):
+        perplexity(q, windows, progress=False, batch_size=0)
+
+
+def test_models_without_a_plain_head_take_the_full_logits_path(tiny_model_dir, monkeypatch):
+    import sys
+
+    from quantlab.eval.perplexity import split_head
 
     q, float_model = _quantized_and_float(tiny_model_dir)
-    pair = SimpleNamespace(model=q, reference_model=float_model)
-    windows = _windows(6, 16)
-    live = [_max_live_logit_tensors(monkeypatch, pair, windows, kl_windows=k) for k in (1, 6)]
-    assert live == [1, 1]  # at a forward, only the reference log-probs of this window
-    stored = [_max_live_logit_tensors(monkeypatch, pair, windows, stored=k) for k in (1, 6)]
-    assert stored == [1, 6]  # the list form: one per stored window (the counter sees them)
+    assert split_head(q) is not None  # the Llama head: hidden states -> lm_head
+    windows = _windows(4, 24)
+    split = perplexity(q, windows, float_model, progress=False, batch_size=2)
+    q.config.final_logit_softcapping = 30.0  # e.g. Gemma-2: the head is no longer the whole story
+    assert split_head(q) is None
+    q.config.final_logit_softcapping = None
+    monkeypatch.setattr(sys.modules["quantlab.eval.perplexity"], "split_head", lambda model: None)
+    full = perplexity(q, windows, float_model, progress=False, batch_size=2)
+    assert full["window_nll"] == pytest.approx(split["window_nll"], rel=1e-6)
+    assert full["kl_mean"] == pytest.approx(split["kl_mean"], rel=1e-3)
+
+
+def test_auto_batch_size_follows_free_memory(tiny_model):
+    from quantlab.eval.perplexity import auto_batch_size
+
+    model, _ = tiny_model
+    assert auto_batch_size(model, 512, 100, free_bytes=1) == 1
+    assert auto_batch_size(model, 512, 100, free_bytes=1 << 40) == 8
+    assert auto_batch_size(model, 512, 3, free_bytes=1 << 40) == 2  # never more than the windows
 
 
 def test_kl_grows_with_coarser_quantization(tiny_model_dir):

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Iterable
 
@@ -53,6 +54,24 @@ def swap_in_quant_linears(
                              f"{tuple(bad.nonzero()[0].tolist())}); cannot quantize it")
         set_submodule(model, name, QuantLinear.from_linear(linear, spec_for(spec, overrides, name)))
     return [n for n, _ in chosen]
+
+
+@contextlib.contextmanager
+def cached_weights(model: nn.Module):
+    """Within this block, no-grad forwards compute each QuantLinear's weight once (per dtype) and reuse it:
+    simulated evaluation at float speed, bitwise equal to the uncached forward (activation quantizers still run
+    per forward). The caches (a float copy of every quantized weight) are freed on exit.
+
+    >>> with cached_weights(model): ppl = perplexity(model, windows)
+    """
+    layers = list(quant_linears(model).values())
+    for layer in layers:
+        layer.weight_cache = {}
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.weight_cache = None
 
 
 def freeze_all(model: nn.Module) -> None:

@@ -134,6 +134,9 @@ class QuantLinear(nn.Module):
         self.register_buffer("input_scale", None)
         self.quant_enabled = True  # False: prepared layer computes with its float weight (calibration passes)
         self.act_quant: nn.Module | None = None
+        # evaluation cache (lifecycle.cached_weights): {dtype: the weight the forward multiplies by}, so a
+        # no-grad evaluation dequantizes / fake-quantizes each weight once instead of on every forward
+        self.weight_cache: dict | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, spec: WeightSpec) -> "QuantLinear":
@@ -153,7 +156,17 @@ class QuantLinear(nn.Module):
         return self.fixed_qparams is not None and self.fixed_qparams.float_zero
 
     def quantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The weight the forward multiplies by: fake-quantized (prepared) or dequantized codes (frozen)."""
+        """The weight the forward multiplies by: fake-quantized (prepared) or dequantized codes (frozen).
+
+        Inside lifecycle.cached_weights and without grad, computed once per dtype and reused (the same tensor,
+        so the forward is bitwise the uncached one)."""
+        if self.weight_cache is not None and not torch.is_grad_enabled():
+            if dtype not in self.weight_cache:
+                self.weight_cache[dtype] = self._weight(dtype)
+            return self.weight_cache[dtype]
+        return self._weight(dtype)
+
+    def _weight(self, dtype: torch.dtype | None) -> torch.Tensor:
         if self.frozen and self.spec.fmt is not None:
             codes = packing.unpack(self.qweight, self.spec.bits, self.out_features * self.in_features)
             codes = codes.view(self.out_features, self.in_features)

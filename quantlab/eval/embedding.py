@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..core.lifecycle import cached_weights
+
 from ..core.qlinear import QuantLinear
 
 
@@ -47,12 +49,13 @@ def mean_pooled_embeddings(model: nn.Module, tokenizer, sentences: list[str], ma
     device = next(model.parameters()).device
     chunks = []
     total = (len(sentences) + batch_size - 1) // batch_size
-    for enc in tqdm(_batches(tokenizer, sentences, max_length, batch_size), total=total, desc="embeddings",
-                    leave=False, disable=not progress):
-        enc = {k: v.to(device) for k, v in enc.items()}
-        hidden = model(**enc).last_hidden_state.float()  # (B, T, C)
-        mask = enc["attention_mask"].unsqueeze(-1).float()
-        chunks.append(((hidden * mask).sum(1) / mask.sum(1).clamp(min=1)).cpu())
+    with cached_weights(model):  # each quantized weight dequantized once, not on every batch
+        for enc in tqdm(_batches(tokenizer, sentences, max_length, batch_size), total=total, desc="embeddings",
+                        leave=False, disable=not progress):
+            enc = {k: v.to(device) for k, v in enc.items()}
+            hidden = model(**enc).last_hidden_state.float()  # (B, T, C)
+            mask = enc["attention_mask"].unsqueeze(-1).float()
+            chunks.append(((hidden * mask).sum(1) / mask.sum(1).clamp(min=1)).cpu())
     return torch.cat(chunks)
 
 

@@ -1,14 +1,20 @@
 """Perplexity over fixed windows, plus KL divergence and top-1 agreement vs a reference model.
 
-ppl = exp(total next-token NLL / predicted tokens); every window predicts
-seq_len - 1 tokens, so this equals the GPTQ code's exp(mean of window losses).
+ppl = exp(total next-token NLL / predicted tokens); every window predicts seq_len - 1 tokens, so this
+equals the GPTQ code's exp(mean of window losses).
 
-The reference for KL is either a list of precomputed log-probs (reference_logprobs: fp32 (T, V)
-per window, ~100 MB per 512-token window at a 49k vocabulary, so memory grows with the number of
-KL windows) or the reference *model* itself: then it runs on each KL window right before the
-evaluated model, and only that window's log-probs are alive (memory: two windows' (T, V) tensors,
-whatever the number of windows). Both give the same numbers bit for bit: the same forward and
-log_softmax on the same window, just computed later.
+The harness runs near the model's own cost:
+- windows go through the model in batches (`batch_size`, or chosen from free memory);
+- the loss never materialises a (T, V) logits tensor: the model body gives hidden states (B, T, C) and
+  the output head runs on `chunk` positions at a time (logsumexp and the target's logit per chunk), so
+  memory is B x chunk x V, not B x T x V plus its fp32 / log-softmax copies (models that transform their
+  logits further, e.g. softcapping, take the full-logits path with the same chunked loss);
+- simulated quantized layers dequantize each weight once per evaluation (lifecycle.cached_weights).
+
+The KL reference is either a list of precomputed log-probs (reference_logprobs: fp32 (T, V) per window,
+~100 MB per 512-token window at a 49k vocabulary, so memory grows with the number of KL windows) or the
+reference *model* itself: then it runs on each KL batch right before the evaluated model, and its logits
+exist only chunk by chunk (memory independent of the number of KL windows, and exact: the same forward).
 
     ref = reference_logprobs(float_model, windows[:8])      # stored: memory grows with windows
     perplexity(q, windows, ref)
@@ -20,24 +26,19 @@ import math
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..core.lifecycle import cached_weights
+
 # what result rows say about the KL reference when it is the model run on the fly
 KL_REFERENCE_ON_THE_FLY = "float model run on each KL window just before the evaluated model (exact, nothing stored)"
+LOSS_CHUNK = 128  # positions per output-head chunk: B x 128 x V fp32 logits alive at a time
+MAX_AUTO_BATCH = 8
 
 
 def _device(model) -> torch.device:
     return next(model.parameters()).device
-
-
-def _logits(model, window: torch.Tensor) -> torch.Tensor:
-    return model(window.unsqueeze(0).to(_device(model)), use_cache=False).logits[0].float()  # (T, V)
-
-
-def _reference_window(model, window: torch.Tensor) -> torch.Tensor:
-    return F.log_softmax(_logits(model, window), dim=-1)  # (T, V) fp32
 
 
 @torch.inference_mode()
@@ -45,10 +46,17 @@ def reference_logprobs(model, windows: torch.Tensor, progress: bool = True) -> l
     """Log-probs (T, V) of the reference model for each window, kept on CPU in fp32.
 
     Memory grows with len(windows) (T x V x 4 bytes each); for many windows pass the reference
-    model to perplexity() instead, which recomputes each window's log-probs when it needs them.
+    model to perplexity() instead, which recomputes each window's logits when it needs them.
     """
-    it = tqdm(windows, desc="reference logits", leave=False, disable=not progress)
-    return [_reference_window(model, w).cpu() for w in it]
+    out = []
+    for w in tqdm(windows, desc="reference logits", leave=False, disable=not progress):
+        scorer = _Scorer(model, w[None])  # the same ops as the on-the-fly reference at batch_size=1
+        parts = []
+        for c0 in range(0, w.shape[0], LOSS_CHUNK):
+            r = scorer.logits(c0, c0 + LOSS_CHUNK)[0]
+            parts.append((r - torch.logsumexp(r, dim=-1, keepdim=True)).cpu())
+        out.append(torch.cat(parts))
+    return out
 
 
 def _kl_count(reference, kl_windows: int | None, n_windows: int) -> int:
@@ -65,18 +73,88 @@ def _kl_count(reference, kl_windows: int | None, n_windows: int) -> int:
     return min(len(reference), n_windows)
 
 
-def _window_stats(model, w: torch.Tensor, ref: torch.Tensor | None) -> tuple[float, float, int, int]:
-    """(NLL sum, KL sum, top-1 agreements, KL tokens) of one window; its (T, V) tensors die on return."""
-    logits = _logits(model, w)
-    nll = F.cross_entropy(logits[:-1], w[1:].to(logits.device), reduction="sum").item()
-    if ref is None:
-        return nll, 0.0, 0, 0
-    ref = ref.to(logits.device)
-    logq = F.log_softmax(logits, dim=-1)
-    del logits  # keep two (T, V) tensors alive, not three
-    kl = F.kl_div(logq, ref, log_target=True, reduction="sum").item()
-    agree = (logq.argmax(-1) == ref.argmax(-1)).sum().item()
-    return nll, kl, agree, ref.shape[0]
+def split_head(model) -> tuple[nn.Module, nn.Module] | None:
+    """(body, head) with head(body(ids).last_hidden_state) == model(ids).logits, or None where the model does
+    more to its logits (softcapping, logit scale) or has no such split."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1, 1.0):
+        return None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    body = getattr(model, "base_model", None)
+    if head is None or body is None or body is model:
+        return None
+    return body, head
+
+
+class _Scorer:
+    """Logits of one model for a batch of windows, chunk of positions by chunk."""
+
+    def __init__(self, model, ids: torch.Tensor):
+        self.split = split_head(model)
+        ids = ids.to(_device(model))
+        if self.split is not None:
+            body, self.head = self.split
+            self.states = body(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, C)
+        else:
+            self.states = model(ids, use_cache=False).logits  # (B, T, V)
+
+    def logits(self, c0: int, c1: int) -> torch.Tensor:
+        part = self.states[:, c0:c1]
+        return (self.head(part) if self.split is not None else part).float()  # (B, c, V)
+
+
+def _batch_stats(model, ids: torch.Tensor, ref, n_kl: int, chunk: int) -> dict:
+    """Per-window NLL sums (B,), and over the first n_kl windows KL sum, top-1 agreements and KL tokens.
+
+    ref: None, a _Scorer of the reference model, or a list of (T, V) log-probs (one per window)."""
+    b, t = ids.shape
+    scorer = _Scorer(model, ids)
+    device = scorer.states.device
+    targets = ids[:, 1:].to(device)
+    nll = torch.zeros(b, dtype=torch.float64, device=device)
+    kl, agree = torch.zeros((), dtype=torch.float64, device=device), 0
+    for c0 in range(0, t, chunk):
+        c1 = min(c0 + chunk, t)
+        logits = scorer.logits(c0, c1)  # (B, c, V)
+        lse = torch.logsumexp(logits, dim=-1)  # (B, c)
+        n = min(c1, t - 1) - c0  # positions with a next token (the last position has none)
+        if n > 0:
+            target_logit = logits[:, :n].gather(-1, targets[:, c0:c0 + n, None])[..., 0]
+            nll += (lse[:, :n] - target_logit).double().sum(1)
+        if n_kl:
+            logq = (logits[:n_kl] - lse[:n_kl, :, None])  # (k, c, V)
+            if isinstance(ref, _Scorer):
+                r = ref.logits(c0, c1)[:n_kl]
+                logp = r - torch.logsumexp(r, dim=-1, keepdim=True)
+            else:
+                logp = torch.stack([ref[i][c0:c1] for i in range(n_kl)]).to(device)
+            kl += (logp.exp() * (logp - logq)).double().sum()
+            agree += int((logq.argmax(-1) == logp.argmax(-1)).sum())
+            del logp, logq
+    return {"nll": nll.tolist(), "kl": float(kl), "agree": agree, "kl_tokens": n_kl * t}
+
+
+def auto_batch_size(model, seq_len: int, n_windows: int, free_bytes: int | None = None) -> int:
+    """The largest power of two <= MAX_AUTO_BATCH whose activations (a generous per-token estimate: one layer's
+    MLP and attention tensors, the attention scores and a loss chunk of logits) fit in a quarter of free memory."""
+    cfg = getattr(model, "config", None)
+    hidden = getattr(cfg, "hidden_size", 1024)
+    inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
+    heads = getattr(cfg, "num_attention_heads", 16)
+    vocab = getattr(cfg, "vocab_size", 50000)
+    per_window = 4 * (seq_len * (3 * inter + 8 * hidden) + heads * seq_len * seq_len + 3 * LOSS_CHUNK * vocab)
+    if free_bytes is None:
+        device = _device(model)
+        if device.type == "cuda":
+            free_bytes = torch.cuda.mem_get_info(device)[0]
+        else:
+            import psutil
+
+            free_bytes = psutil.virtual_memory().available
+    b = 1
+    while b * 2 <= min(MAX_AUTO_BATCH, n_windows) and 2 * b * per_window <= free_bytes // 4:
+        b *= 2
+    return b
 
 
 def _sync(model) -> None:
@@ -86,13 +164,15 @@ def _sync(model) -> None:
 
 @torch.inference_mode()
 def perplexity(model, windows: torch.Tensor, reference: list[torch.Tensor] | nn.Module | None = None,
-               progress: bool = True, kl_windows: int | None = None) -> dict:
-    """{'ppl', 'nll_mean', 'predicted_tokens', 'window_nll', and with a reference: 'kl_mean', 'top1_agree', 'kl_tokens'}.
+               progress: bool = True, kl_windows: int | None = None, batch_size: int | None = None,
+               chunk: int = LOSS_CHUNK) -> dict:
+    """{'ppl', 'nll_mean', 'predicted_tokens', 'window_nll', 'eval_batch_size', and with a reference: 'kl_mean',
+    'top1_agree', 'kl_tokens'}.
 
-    windows: (n, T) token ids. reference: reference_logprobs() of the first k <= n windows, or the
-    reference model itself, run on each of the first `kl_windows` windows (default: all) right
-    before `model` (adds 'kl_reference_s', the seconds spent in it). KL(P_ref || P_model) is
-    averaged over every position of those windows.
+    windows: (n, T) token ids. reference: reference_logprobs() of the first k <= n windows, or the reference
+    model itself, run on each of the first `kl_windows` windows (default: all) right before `model` (adds
+    'kl_reference_s', the seconds spent in it). KL(P_ref || P_model) is averaged over every position of those
+    windows. batch_size: windows per forward (None: chosen from free memory, auto_batch_size).
 
     >>> perplexity(quantized, windows, float_model, kl_windows=8)["kl_mean"]
     """
@@ -101,23 +181,34 @@ def perplexity(model, windows: torch.Tensor, reference: list[torch.Tensor] | nn.
     ref_model = reference if isinstance(reference, nn.Module) else None
     if ref_model is not None:
         ref_model.eval()
+    if batch_size is None:
+        batch_size = auto_batch_size(model, windows.shape[1], len(windows))
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1 or None (from free memory), got {batch_size!r}")
     window_nll, kl_sum, agree, kl_tokens, reference_s = [], 0.0, 0, 0, 0.0
-    for i, w in enumerate(tqdm(windows, desc="perplexity", leave=False, disable=not progress)):
-        ref = None
-        if i < k and ref_model is not None:
-            t0 = time.perf_counter()
-            ref = _reference_window(ref_model, w)
-            _sync(ref_model)
-            reference_s += time.perf_counter() - t0
-        elif i < k:
-            ref = reference[i]
-        nll, kl, a, n = _window_stats(model, w, ref)
-        del ref
-        window_nll.append(nll)
-        kl_sum, agree, kl_tokens = kl_sum + kl, agree + a, kl_tokens + n
+    bar = tqdm(total=len(windows), desc="perplexity", leave=False, disable=not progress)
+    with cached_weights(model):  # each quantized weight dequantized once, not on every batch
+        for i in range(0, len(windows), batch_size):
+            ids = windows[i:i + batch_size]
+            n_kl = max(0, min(k - i, len(ids)))
+            ref = None
+            if n_kl and ref_model is not None:
+                t0 = time.perf_counter()
+                ref = _Scorer(ref_model, ids[:n_kl])
+                _sync(ref_model)
+                reference_s += time.perf_counter() - t0
+            elif n_kl:
+                ref = reference[i:i + n_kl]
+            stats = _batch_stats(model, ids, ref, n_kl, chunk)
+            del ref
+            window_nll += stats["nll"]
+            kl_sum, agree, kl_tokens = kl_sum + stats["kl"], agree + stats["agree"], kl_tokens + stats["kl_tokens"]
+            bar.update(len(ids))
+    bar.close()
     predicted = windows.shape[0] * (windows.shape[1] - 1)
     nll_mean = sum(window_nll) / predicted
-    out = {"ppl": math.exp(nll_mean), "nll_mean": nll_mean, "predicted_tokens": predicted, "window_nll": window_nll}
+    out = {"ppl": math.exp(nll_mean), "nll_mean": nll_mean, "predicted_tokens": predicted, "window_nll": window_nll,
+           "eval_batch_size": batch_size}
     if k:
         out.update(kl_mean=kl_sum / kl_tokens, top1_agree=agree / kl_tokens, kl_tokens=kl_tokens)
     if ref_model is not None:

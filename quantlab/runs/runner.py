@@ -18,7 +18,7 @@ import torch
 
 from ..backends import export_for_run
 from ..core.lifecycle import quantize
-from ..core.registry import get_method, method_versions, non_default_fields
+from ..core.registry import config_to_dict, get_method, method_versions, non_default_fields
 from ..eval import measure_latency, peak_memory_mib, perplexity, reset_peak_memory, weight_stats
 from ..eval.embedding import embedding_fidelity, layer_output_errors, mean_pooled_embeddings, sentences_from_text
 from ..eval.memprobe import isolated_run_memory
@@ -114,6 +114,7 @@ def _perplexity_metrics(ctx: _Context, model) -> dict:
             "top1_agree": ppl.get("top1_agree"), "kl_tokens": ppl.get("kl_tokens", 0),
             "kl_reference": KL_REFERENCE_ON_THE_FLY if reference else None, "kl_reference_s": ppl.get("kl_reference_s"),
             "predicted_tokens": ppl["predicted_tokens"], "eval_windows": len(ctx.windows),
+            "eval_batch_size": ppl["eval_batch_size"],
             "eval_tokens": ctx.windows.numel(), "seq_len": ctx.exp.eval.seq_len,
             # per-window NLL sums and predicted tokens: bootstrap intervals are computed from stored rows
             "window_nll": json.dumps(ppl["window_nll"]),
@@ -221,6 +222,30 @@ def _run_pending(exp: Experiment, pending: list[RunSpec], results: Path, device,
             continue
         append_row(results, _result_row(ctx, run, metrics, env))
     return failures
+
+
+def plan_experiment(exp: Experiment, reports_dir: str | Path = "reports") -> list[dict]:
+    """What `quantlab run` would do, loading no model: one dict per run (name, method, scheme, calibrates,
+    trains, done) and est_s, the median seconds of this method's finished rows in the results file (if any)."""
+    results = Path(reports_dir) / f"{exp.name}.results.jsonl"
+    device = resolve_device(exp.device)
+    rows = read_rows(results) if results.exists() else []
+    done = {r["run_key"] for r in rows}
+    seconds: dict[str, list[float]] = {}
+    for r in rows:  # a run's own work: quantize (incl. calibration, training), its evaluation and the KL reference
+        parts = [r.get(k) for k in ("quantize_s", "eval_s", "kl_reference_s")]
+        if isinstance(parts[1], (int, float)):
+            seconds.setdefault(r.get("method"), []).append(sum(p for p in parts if isinstance(p, (int, float))))
+    plan = []
+    for run in exp.runs:
+        method = get_method(run.config)
+        times = sorted(seconds.get(method.name, []))
+        plan.append({"run": run.name, "method": method.name, "scheme": scheme(config_to_dict(run.config), exp.dtype),
+                     "calibrates": method.needs_calibration_for(run.config),
+                     "trains": method.needs_training_for(run.config), "backend": run.backend,
+                     "done": run_key(exp, run, device) in done,
+                     "est_s": times[len(times) // 2] if times else None})
+    return plan
 
 
 def run_experiment(

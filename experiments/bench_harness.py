@@ -1,0 +1,111 @@
+"""The perplexity harness against a plain Hugging Face loop, side by side in one process (not a timed test).
+
+    python3 experiments/bench_harness.py                # ~6 min on a 2-core CPU
+    python3 experiments/bench_harness.py --smoke        # ~1 min: 2 windows of 128 tokens, 1 round
+
+On the same WikiText-2 test windows (6 x 512 tokens) and threads, measured round-robin (each round runs every
+configuration once; the median round counts):
+- `hf-loop`: `model(ids, labels=ids)` one window at a time, the loss the naive way (full logits, upcast,
+  cross-entropy), on the fp32 model; the baseline of every ratio;
+- `harness-b<B>`: quantlab.perplexity with B windows per forward and the chunked loss, fp32 model;
+- `sim-w4g64-hf-loop`: the plain loop on a simulated RTN w4 g64 model (each forward dequantizes every weight);
+- `sim-w4g64-harness-b<B>`: the harness on that model (each weight dequantized once per evaluation).
+Every configuration's NLL is checked against the hf-loop's on the same model (rel 1e-5) before any time counts.
+Writes reports/bench_harness.csv (one row per configuration, with the CPU it ran on).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from experiments.smollm2_speed import cpu_facts
+from quantlab.core.lifecycle import quantize
+from quantlab.core.registry import make_config
+from quantlab.eval.perplexity import perplexity
+from quantlab.models.data import eval_windows, load_token_ids
+from quantlab.models.loading import load_model
+from quantlab.runs.envinfo import environment
+
+MODEL = "smollm2-135m"
+
+
+@torch.inference_mode()
+def hf_loop(model, windows: torch.Tensor) -> float:
+    """Total NLL the naive way: one window per forward, labels=ids (HF shifts and averages)."""
+    total = 0.0
+    for w in windows:
+        out = model(w[None], labels=w[None], use_cache=False)
+        total += out.loss.item() * (w.numel() - 1)
+    return total
+
+
+def harness(model, windows: torch.Tensor, batch: int) -> float:
+    return sum(perplexity(model, windows, progress=False, batch_size=batch)["window_nll"])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "reports" / "bench_harness.csv"))
+    args = ap.parse_args(argv)
+    n, seq_len, rounds, batches = (2, 128, 1, (1, 2)) if args.smoke else (6, 512, args.rounds, (1, 2, 3, 6))
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(MODEL, "float32", "cpu")
+    ids, _ = load_token_ids("wikitext2", "test", tok)
+    windows = eval_windows(ids, seq_len, n)
+    sim = copy.deepcopy(model)
+    quantize(sim, make_config({"method": "rtn", "bits": 4, "group_size": 64, "symmetric": False}))
+    configs = {"hf-loop": lambda: hf_loop(model, windows)}
+    configs |= {f"harness-b{b}": (lambda b=b: harness(model, windows, b)) for b in batches}
+    configs["sim-w4g64-hf-loop"] = lambda: hf_loop(sim, windows)
+    configs |= {f"sim-w4g64-harness-b{b}": (lambda b=b: harness(sim, windows, b)) for b in batches}
+    nll = {name: fn() for name, fn in configs.items()}  # warm-up, and the correctness gate
+    for name, value in nll.items():
+        ref = nll["sim-w4g64-hf-loop" if name.startswith("sim") else "hf-loop"]
+        if abs(value - ref) > 1e-5 * abs(ref):
+            raise SystemExit(f"{name}: NLL {value} differs from the plain loop's {ref}")
+    seconds = {name: [] for name in configs}
+    for _ in range(rounds):
+        for name, fn in configs.items():
+            t0 = time.perf_counter()
+            fn()
+            seconds[name].append(time.perf_counter() - t0)
+    tokens = windows.numel()
+    base = statistics.median(seconds["hf-loop"])
+    sim_base = statistics.median(seconds["sim-w4g64-hf-loop"])
+    env = environment(torch.device("cpu")) | cpu_facts() | {"threads": args.threads}
+    rows = []
+    for name, times in seconds.items():
+        s = statistics.median(times)
+        rows.append({"config": name, "windows": n, "seq_len": seq_len, "rounds": rounds, "seconds_median": s,
+                     "seconds_all": " ".join(f"{t:.3f}" for t in times), "tokens_per_s": tokens / s,
+                     "speedup_vs_hf_loop_fp32": base / s,
+                     "speedup_vs_same_model_hf_loop": (sim_base if name.startswith("sim") else base) / s,
+                     "nll_total": nll[name], **env})
+    df = pd.DataFrame(rows)
+    best_fp32 = df[df.config.str.startswith("harness")].seconds_median.min()
+    best_sim = df[df.config.str.startswith("sim-w4g64-harness")].seconds_median.min()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out, index=False)
+    print(df[["config", "seconds_median", "tokens_per_s", "speedup_vs_hf_loop_fp32"]].to_string(index=False))
+    print(f"best harness vs HF loop (fp32): {base / best_fp32:.2f}x; simulated w4 g64 / fp32 (best harness each): "
+          f"{best_sim / best_fp32:.3f}x; plain loop simulated / fp32: {sim_base / base:.3f}x "
+          f"[{env['cpu_model']}, avx512: {env['cpu_avx512'] != 'none'}, {args.threads} threads] -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
