@@ -19,11 +19,32 @@ def cmd_run(args) -> int:
         exp = dataclasses.replace(exp, name=f"{exp.name}_full", eval=exp.eval.unbounded())
     if args.device:
         exp = dataclasses.replace(exp, device=args.device)
+    if args.dry_run:
+        return _dry_run(exp, args.reports_dir)
     df = run_experiment(exp, args.reports_dir, args.force, args.data_dir, args.cache_dir, progress=not args.quiet,
                         wait=args.wait, wait_timeout_s=args.wait_timeout)
     print(f"wrote {args.reports_dir}/{exp.name}.csv and .md ({len(df)} rows)")
     cols = [c for c in ("run", "scheme", "ppl", "ppl_delta_pct", "kl_mean", "weight_mib", "bits_per_weight") if c in df]
     print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    return 0
+
+
+def _dry_run(exp, reports_dir) -> int:
+    """Print the expanded run list and the work it means; nothing loads."""
+    from ..runs.runner import plan_experiment
+
+    plan = plan_experiment(exp, reports_dir)
+    width = max(len(p["run"]) for p in plan)
+    for p in plan:
+        work = "train" if p["trains"] else ("calibrate" if p["calibrates"] else "")
+        est = "" if p["est_s"] is None else f"~{p['est_s']:.0f} s"
+        print(f"{p['run']:{width}s}  {p['scheme']:36s} {work:9s} {'done' if p['done'] else 'pending':7s} {est}")
+    pending = [p for p in plan if not p["done"]]
+    known = [p["est_s"] for p in pending if p["est_s"] is not None]
+    print(f"{len(plan)} runs: {len(plan) - len(pending)} done, {len(pending)} pending "
+          f"({sum(p['calibrates'] for p in pending)} calibrate, {sum(p['trains'] for p in pending)} train)"
+          + (f"; ~{sum(known) / 60:.0f} min for the {len(known)} with timed rows of their method in "
+             f"{reports_dir}/{exp.name}.results.jsonl" if known else ""))
     return 0
 
 
@@ -62,6 +83,7 @@ def add_commands(sub) -> None:
     p = sub.add_parser("run", help="run an experiment file and write reports/<name>.csv/.md")
     p.add_argument("experiment")
     p.add_argument("--force", action="store_true", help="rerun runs already in the results file")
+    p.add_argument("--dry-run", action="store_true", help="print the expanded run list and the work; load nothing")
     p.add_argument("--full", action="store_true", help="evaluate the whole test split (drops max_windows/max_tokens)")
     p.add_argument("--device", help="override the experiment's device (auto, cpu, cuda)")
     p.add_argument("--reports-dir", default="reports")

@@ -25,6 +25,7 @@ from typing import Any
 from ..core.checks import check_dtype, check_int, check_name, utf8_error
 from ..core.registry import config_to_dict, get_method, make_config
 from ..reporting.findings import check_runs
+from .sweep import expand_sweep
 
 
 def _check_keys(table: dict, cls: type, where: str) -> None:
@@ -76,7 +77,7 @@ class EvalProtocol:
             check_int(f"eval.{name}", getattr(self, name), 1)
         check_int("eval.kl_windows", self.kl_windows, 0)
 
-    def unbounded(self) -> "EvalProtocol":
+    def unbounded(self) -> EvalProtocol:
         return dataclasses.replace(self, max_windows=None, max_tokens=None)
 
 
@@ -205,7 +206,9 @@ def parse_experiment(data: dict, where: str = "experiment", default_name: str = 
     data = dict(data)
     if "runs" in data:
         raise ValueError(f"{where}: write runs as [[run]] tables, not 'runs'")
-    _check_keys({k: v for k, v in data.items() if k != "run"}, Experiment, where)
+    if not isinstance(data.get("sweep", []), list) or not all(isinstance(t, dict) for t in data.get("sweep", [])):
+        raise ValueError(f"{where}: write sweeps as [[sweep]] tables")
+    _check_keys({k: v for k, v in data.items() if k not in ("run", "sweep")}, Experiment, where)
     if "model" not in data:
         raise ValueError(f"{where}: missing required key 'model'")
     eval_table, calib_table = data.pop("eval", {}), data.pop("calibration", {})
@@ -217,7 +220,18 @@ def parse_experiment(data: dict, where: str = "experiment", default_name: str = 
         check_name("experiment name", name)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    runs = _parse_runs(data.pop("run", []), exp_seeds, where)
+    tables = list(data.pop("run", []))
+    for i, sweep in enumerate(data.pop("sweep", [])):
+        expanded = expand_sweep(sweep, f"{where}: [[sweep]] #{i + 1}")
+        for j, table in enumerate(expanded):  # errors name the sweep, not only the derived run name
+            _parse_run(j, {k: v for k, v in table.items() if k != "seeds"}, f"{where}: [[sweep]] #{i + 1}")
+        tables += expanded
+    runs = _parse_runs(tables, exp_seeds, where)
+    names = [t.get("name") for t in tables]
+    dupes = sorted({n for n in names if names.count(n) > 1 and n is not None})
+    if dupes:
+        raise ValueError(f"{where}: duplicate run name(s) {', '.join(dupes)} (a [[sweep]] names its runs by their "
+                         f"values: rename the [[run]] or give the sweep a 'name')")
     exp = Experiment(
         name=name, runs=runs,
         eval=EvalProtocol(**eval_table), calibration=CalibrationProtocol(**calib_table), seeds=exp_seeds, **data,

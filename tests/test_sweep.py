@@ -1,0 +1,73 @@
+"""[[sweep]] grids: cartesian expansion with derived names, composition with seeds / overrides / backends,
+clear errors before anything loads, and `quantlab run --dry-run`."""
+from __future__ import annotations
+
+import pytest
+
+from quantlab.cli import main
+from quantlab.runs.experiment import parse_experiment
+from quantlab.runs.sweep import expand_sweep
+
+
+def _exp(*sweeps, runs=()):
+    return parse_experiment({"model": "m", "sweep": list(sweeps), "run": list(runs)}, where="f.toml")
+
+
+def test_the_issue_example_gives_eight_runs_named_by_their_values():
+    exp = _exp({"method": "gptq", "bits": [3, 4], "group_size": [64, 128], "seeds": [0, 1]})
+    assert [r.name for r in exp.runs] == [f"gptq-w{b}-g{g}-seed{s}" for b in (3, 4) for g in (64, 128) for s in (0, 1)]
+    first = exp.runs[0]
+    assert (first.config.bits, first.config.group_size, first.seed, first.group) == (3, 64, 0, "gptq-w3-g64")
+
+
+def test_sweeps_compose_with_runs_nested_bases_overrides_and_backends():
+    over = [{"pattern": "*.down_proj", "bits": 8}]
+    exp = _exp({"name": "w4a8", "method": "dynamic", "act_format": ["int", "fp8_e4m3"], "backend": "auto",
+                "base": {"method": "rtn", "bits": [4, 8], "overrides": over}},
+               runs=[{"name": "fp32", "method": "none"}])
+    names = [r.name for r in exp.runs]
+    assert names == ["fp32", "w4a8-int-base-w4", "w4a8-int-base-w8", "w4a8-fp8-e4m3-base-w4", "w4a8-fp8-e4m3-base-w8"]
+    run = exp.runs[3]
+    assert run.backend == "auto" and run.config.act_format == "fp8_e4m3" and run.config.base.bits == 4
+    assert run.config.base.overrides[0].pattern == "*.down_proj"  # a list-valued field is one value, not an axis
+    # a list of lists sweeps a list field
+    tables = expand_sweep({"method": "rtn", "exclude": [["lm_head"], ["lm_head", "x"]], "bits": [4]}, "s")
+    assert [t["exclude"] for t in tables] == [["lm_head"], ["lm_head", "x"]]
+
+
+def test_experiment_seeds_expand_only_seed_dependent_sweep_runs():
+    exp = parse_experiment({"model": "m", "seeds": [0, 1], "sweep": [{"method": ["rtn", "gptq"], "bits": 4}]})
+    assert [r.name for r in exp.runs] == ["rtn", "gptq-seed0", "gptq-seed1"]  # RTN is deterministic
+
+
+@pytest.mark.parametrize("sweep,message", [
+    ({"method": "gptq", "bitz": [3, 4]}, r"\[\[sweep\]\] #1: run 'gptq-bitz3': unknown config key\(s\) 'bitz'"),
+    ({"method": "gptq", "bits": []}, r"\[\[sweep\]\] #1: bits = \[\] sweeps over nothing"),
+    ({"method": "rtn", "bits": [4, 4]}, r"duplicate run name\(s\) rtn-w4"),
+    ({"method": "rtn", "bits": 4}, r"no field holds a list of values"),
+    ({"bits": [3, 4]}, r"needs a 'method' \(one, or a list of methods to sweep\)"),
+    ({"method": "rtn", "bits": [3, 9]}, r"run 'rtn-w9': bits must be an integer in 2..8"),
+])
+def test_bad_sweeps_fail_before_anything_loads(sweep, message):
+    with pytest.raises(ValueError, match=message):
+        _exp(sweep)
+
+
+def test_a_sweep_name_clashing_with_a_run_fails():
+    with pytest.raises(ValueError, match=r"duplicate run name\(s\) rtn-w4 \(a \[\[sweep\]\] names its runs"):
+        _exp({"method": "rtn", "bits": [3, 4]}, runs=[{"name": "rtn-w4", "method": "rtn"}])
+
+
+def test_dry_run_lists_the_grid_and_loads_nothing(tmp_path, monkeypatch, capsys):
+    from quantlab.runs import runner
+
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("--dry-run loaded a model"))
+    monkeypatch.setattr(runner, "_Context", lambda *a, **k: pytest.fail("--dry-run built a run context"))
+    toml = tmp_path / "grid.toml"
+    toml.write_text('model = "smollm2-135m"\n[[run]]\nname = "fp32"\nmethod = "none"\n'
+                    '[[sweep]]\nmethod = "gptq"\nbits = [3, 4]\ngroup_size = [64, 128]\nseeds = [0, 1]\n')
+    assert main(["run", str(toml), "--dry-run", "--reports-dir", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "gptq-w4-g128-seed1" in out and "w4 g128 sym" in out
+    assert "9 runs: 0 done, 9 pending (8 calibrate, 0 train)" in out
+    assert not (tmp_path / "r").exists()  # nothing written
