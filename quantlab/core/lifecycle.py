@@ -103,6 +103,7 @@ def run_calibration(model: nn.Module, batches: Iterable[torch.Tensor], desc: str
 def quantize(
     model: nn.Module, config: Any, calibration: Iterable[torch.Tensor] | None = None,
     training: Any = None, teacher: nn.Module | None = None, checkpoint_dir: Any = None, progress: bool = True,
+    train_processes: int = 1,
 ) -> dict:
     """Quantize `model` in place with `config`; returns a small summary dict.
 
@@ -110,7 +111,7 @@ def quantize(
     (QAT: `training` token windows, `teacher` for distillation, resumable from
     `checkpoint_dir`) and method.convert. `calibration` is an iterable of (1, T) token-id tensors.
     summary["diagnostics"] holds what calibrate() reported (e.g. AWQ's chosen α); progress=False
-    silences every progress bar.
+    silences every progress bar. train_processes > 1: data-parallel QAT over that many processes.
     """
     method = get_method(config)
     t0 = time.perf_counter()
@@ -126,7 +127,8 @@ def quantize(
     if method.needs_training_for(config):
         if training is None:
             raise ValueError(f"method {method.name!r} trains; pass training=[...] token windows (never the test split)")
-        train_stats = method.train(model, config, training, teacher, checkpoint_dir, progress)
+        extra = {"processes": train_processes} if train_processes > 1 else {}
+        train_stats = method.train(model, config, training, teacher, checkpoint_dir, progress, **extra)
     t2b = time.perf_counter()
     method.convert(model, config)
     t3 = time.perf_counter()

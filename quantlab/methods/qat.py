@@ -154,10 +154,12 @@ class QAT(Method):
             return get_method(config.base).calibrate(model, config.base, batches, progress)
         return None
 
-    def train(self, model, config: QATConfig, data, teacher=None, checkpoint_dir=None, progress=True) -> dict:
+    def train(self, model, config: QATConfig, data, teacher=None, checkpoint_dir=None, progress=True,
+              processes: int = 1) -> dict:
+        """processes > 1: data-parallel QAT (qat/distributed.py), the same global batch."""
         attach_quantizers(model, config)
         fingerprint = json.dumps(config_to_dict(config), sort_keys=True, default=str)
-        return train(model, data, config.settings, teacher, checkpoint_dir, progress, fingerprint)
+        return train(model, data, config.settings, teacher, checkpoint_dir, progress, fingerprint, processes)
 
     def convert(self, model, config: QATConfig) -> None:
         bake(model)

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from ..core.qlinear import QuantLinear
 from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .distributed import all_mean, rank_world, run_data_parallel, shard
 from .modules import LearnedStaticActQuant, LearnedWeightQuant
 from .settings import TrainSettings
 
@@ -165,7 +166,7 @@ def _optimizer_step(model, teacher, batches: list[torch.Tensor], settings: Train
     step_loss = 0.0
     for batch in batches:
         loss = _loss(model, teacher, batch, settings, autocast)
-        if not torch.isfinite(loss):
+        if not math.isfinite(all_mean(loss.item())):  # every rank stops together (one NaN makes the mean NaN)
             raise diverged("loss", loss.item())
         scaled = loss / settings.grad_accum
         (scaler.scale(scaled) if scaler else scaled).backward()
@@ -180,18 +181,23 @@ def _optimizer_step(model, teacher, batches: list[torch.Tensor], settings: Train
         raise diverged("gradient norm", norm.item())
     else:
         optimizer.step()
-    return step_loss
+    return all_mean(step_loss)
 
 
 def train(
     model: nn.Module, data, settings: TrainSettings, teacher: nn.Module | None = None,
-    checkpoint_dir: str | Path | None = None, progress: bool = True, fingerprint: str = "",
+    checkpoint_dir: str | Path | None = None, progress: bool = True, fingerprint: str = "", processes: int = 1,
 ) -> dict[str, Any]:
     """Train the quantized layers of `model` in place; resume from <checkpoint_dir>/latest.pt if present.
 
+    processes > 1: data-parallel over that many processes (qat/distributed.py), the same global batch.
     Returns train_steps, train_tokens, train_s, train_loss_first, train_loss_final, train_dtype,
-    train_resumed_from (0 = fresh start).
+    train_resumed_from (0 = fresh start), train_processes.
     """
+    if processes > 1 and rank_world()[1] == 1:
+        return run_data_parallel(processes, train, model, data, settings, teacher, checkpoint_dir=checkpoint_dir,
+                                 progress=progress, fingerprint=fingerprint)
+    rank, world = rank_world()
     windows = training_windows(data, settings.seq_len)
     _check_inputs(windows, settings, teacher, checkpoint_dir)
     device = next(model.parameters()).device
@@ -214,6 +220,10 @@ def train(
     order_cache: dict = {}
     was_training = model.training
     model.train()
+    forward = model
+    if world > 1:  # gradients of the trainable parameters averaged over the ranks at every backward
+        device_ids = [device.index] if device.type == "cuda" else None
+        forward = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     t0 = time.perf_counter()
     bar = tqdm(range(start, settings.steps), desc="qat", leave=False, disable=not progress,
                initial=start, total=settings.steps)
@@ -225,16 +235,16 @@ def train(
             for micro in range(settings.grad_accum):
                 first = (step * settings.grad_accum + micro) * settings.batch_size
                 idx = [window_index(first + b, len(windows), settings.seed, order_cache) for b in range(settings.batch_size)]
-                batches.append(windows[idx].to(device))
+                batches.append(windows[shard(idx)].to(device))  # this rank's share of the global batch
 
             def diverged(what, value, step=step):
                 return _diverged(what, value, step + 1, settings, checkpoint_dir, last_saved)
 
-            history.append(_optimizer_step(model, teacher, batches, settings, autocast, optimizer, scaler,
+            history.append(_optimizer_step(forward, teacher, batches, settings, autocast, optimizer, scaler,
                                            list(trainable.values()), diverged))
             bar.set_postfix(loss=f"{history[-1]:.4f}")
             done = step + 1
-            if settings.checkpoint_every and done % settings.checkpoint_every == 0 and done < settings.steps:
+            if rank == 0 and settings.checkpoint_every and done % settings.checkpoint_every == 0 and done < settings.steps:
                 save_checkpoint(checkpoint_dir, {
                     "step": done, "params": {n: p.detach().clone() for n, p in trainable.items()},
                     "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler else None,
@@ -256,4 +266,5 @@ def train(
         "train_loss_final": history[-1] if history else None,
         "train_dtype": settings.dtype,
         "train_resumed_from": start,
+        "train_processes": world,
     }
