@@ -1,6 +1,7 @@
 """`quantlab run`, `quantlab report`, `quantlab compare`: experiments and their reports.
 
-    quantlab run experiments/smollm2_quickstart.toml [--full] [--force] [--wait [--wait-timeout S]]
+    quantlab run experiments/smollm2_quickstart.toml [--full] [--force] [--wait [--wait-timeout S]] [--dry-run]
+    quantlab run experiments/grid.toml --executor ray [--address auto|HOST:PORT]
     quantlab report reports/smollm2_quickstart.results.jsonl [--out DIR]
     quantlab compare A.csv B.csv [--out diff.md]
 """
@@ -22,7 +23,7 @@ def cmd_run(args) -> int:
     if args.dry_run:
         return _dry_run(exp, args.reports_dir)
     df = run_experiment(exp, args.reports_dir, args.force, args.data_dir, args.cache_dir, progress=not args.quiet,
-                        wait=args.wait, wait_timeout_s=args.wait_timeout)
+                        wait=args.wait, wait_timeout_s=args.wait_timeout, executor=args.executor, address=args.address)
     print(f"wrote {args.reports_dir}/{exp.name}.csv and .md ({len(df)} rows)")
     cols = [c for c in ("run", "scheme", "ppl", "ppl_delta_pct", "kl_mean", "weight_mib", "bits_per_weight") if c in df]
     print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
@@ -84,6 +85,10 @@ def add_commands(sub) -> None:
     p.add_argument("experiment")
     p.add_argument("--force", action="store_true", help="rerun runs already in the results file")
     p.add_argument("--dry-run", action="store_true", help="print the expanded run list and the work; load nothing")
+    p.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="local: one run after another in this process (default); ray: one Ray task per run")
+    p.add_argument("--address", help="with --executor ray: 'auto' or the address `ray start --head` printed "
+                                     "(default: start a local Ray)")
     p.add_argument("--full", action="store_true", help="evaluate the whole test split (drops max_windows/max_tokens)")
     p.add_argument("--device", help="override the experiment's device (auto, cpu, cuda)")
     p.add_argument("--reports-dir", default="reports")

@@ -98,6 +98,27 @@ class CalibrationProtocol:
 
 
 @dataclass(frozen=True)
+class ExecutionConfig:
+    """How runs execute (never part of a run's key): per-run resources for `--executor ray`, and processes
+    for data-parallel QAT."""
+
+    num_cpus: float = 1  # per run (Ray task); also its torch threads
+    num_gpus: float = 0
+    max_retries: int = 1  # a dead worker's run is retried this many times
+    qat_processes: int = 1
+
+    def __post_init__(self):
+        for name in ("num_cpus", "num_gpus"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"execution.{name} must be a number >= 0, got {v!r}")
+        if self.num_cpus == 0 and self.num_gpus == 0:
+            raise ValueError("execution: num_cpus and num_gpus are both 0; a run needs some resource")
+        check_int("execution.max_retries", self.max_retries, 0)
+        check_int("execution.qat_processes", self.qat_processes, 1)
+
+
+@dataclass(frozen=True)
 class RunSpec:
     name: str
     config: Any
@@ -128,6 +149,7 @@ class Experiment:
     findings: str = ""  # a template the report fills from the rows (quantlab/reporting/findings.py)
     eval: EvalProtocol = field(default_factory=EvalProtocol)
     calibration: CalibrationProtocol = field(default_factory=CalibrationProtocol)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
 
     def __post_init__(self):
         check_name("experiment name", self.name)  # reports/<name>.csv, .md, .results.jsonl
@@ -212,6 +234,8 @@ def parse_experiment(data: dict, where: str = "experiment", default_name: str = 
     if "model" not in data:
         raise ValueError(f"{where}: missing required key 'model'")
     eval_table, calib_table = data.pop("eval", {}), data.pop("calibration", {})
+    exec_table = data.pop("execution", {})
+    _check_keys(exec_table, ExecutionConfig, f"{where} [execution]")
     _check_keys(eval_table, EvalProtocol, f"{where} [eval]")
     _check_keys(calib_table, CalibrationProtocol, f"{where} [calibration]")
     exp_seeds = _check_seeds(data.pop("seeds"), where) if "seeds" in data else None
@@ -234,8 +258,12 @@ def parse_experiment(data: dict, where: str = "experiment", default_name: str = 
                          f"values: rename the [[run]] or give the sweep a 'name')")
     exp = Experiment(
         name=name, runs=runs,
-        eval=EvalProtocol(**eval_table), calibration=CalibrationProtocol(**calib_table), seeds=exp_seeds, **data,
+        eval=EvalProtocol(**eval_table), calibration=CalibrationProtocol(**calib_table), seeds=exp_seeds,
+        execution=ExecutionConfig(**exec_table), **data,
     )
+    if exp.execution.qat_processes > 1 and not any(get_method(r.config).needs_training_for(r.config) for r in runs):
+        raise ValueError(f"{where}: [execution] qat_processes = {exp.execution.qat_processes} applies to runs that "
+                         f"train (qat), and no run here trains")
     # every run a findings placeholder names must be a run (or seed group) of the file; checked here, not in
     # Experiment, so that a subset of the runs (dataclasses.replace) still reports, noting what it lacks
     check_runs(exp.findings, [r.name for r in runs] + [r.group for r in runs if r.group], f"{where}: findings")

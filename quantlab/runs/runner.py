@@ -52,6 +52,9 @@ def run_key(exp: Experiment, run: RunSpec, device: torch.device) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+EXECUTORS = ("local", "ray")
+
+
 class _Context:
     """The float model (also the KL reference), token windows and calibration data, shared across runs."""
 
@@ -158,7 +161,8 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
     summary = quantize(model, run.config, calibration=calib if needs_calib else None,
                        training=calib if needs_train else None,
                        teacher=ctx.model if method.needs_teacher_for(run.config) else None,
-                       checkpoint_dir=checkpoints if needs_train else None, progress=ctx.progress)
+                       checkpoint_dir=checkpoints if needs_train else None, progress=ctx.progress,
+                       train_processes=exp.execution.qat_processes)
     isolated = _isolated_memory(ctx, run, model, method.name) if exp.eval.memory == "isolated" else {}
     exported = export_for_run(model, run.backend, method.name, ctx.eval_ids[:64].unsqueeze(0))
     ctx.check_reference()
@@ -250,15 +254,25 @@ def plan_experiment(exp: Experiment, reports_dir: str | Path = "reports") -> lis
 
 def run_experiment(
     exp: Experiment, reports_dir: str | Path = "reports", force: bool = False, data_dir=None, cache_dir=None,
-    progress: bool = True, wait: bool = False, wait_timeout_s: float | None = None,
+    progress: bool = True, wait: bool = False, wait_timeout_s: float | None = None, executor: str = "local",
+    address: str | None = None,
 ):
     """Run every pending run of `exp`, then write reports/<name>.csv and .md. Returns the DataFrame.
 
     One process at a time per results file: another one running the same experiment makes this one
     fail at once (ResultsLocked, naming its PID), or with wait=True wait for it (up to wait_timeout_s).
     A failed run is logged in one line (its traceback at DEBUG), the others go on, and a RuntimeError
-    listing the failures is raised after the report is written.
+    listing the failures is raised after the report is written. executor "ray": each pending run is a Ray task
+    on the cluster at `address` (None: a local Ray), see runs/ray_executor.py.
     """
+    if executor not in EXECUTORS:
+        raise ValueError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
+    if executor == "local" and address is not None:
+        raise ValueError(f"--address {address!r} needs --executor ray")
+    if executor == "ray":
+        from .ray_executor import import_ray
+
+        import_ray()  # a missing Ray fails before any lock or model
     reports_dir = Path(reports_dir)
     reports_dir.mkdir(parents=True, exist_ok=True)
     results = reports_dir / f"{exp.name}.results.jsonl"
@@ -270,7 +284,14 @@ def run_experiment(
         pending = [r for r in exp.runs if run_key(exp, r, device) not in done]
         log.info("%s: %d runs, %d already done, %d to run", exp.name, len(exp.runs), len(exp.runs) - len(pending),
                  len(pending))
-        failures = _run_pending(exp, pending, results, device, data_dir, cache_dir, progress) if pending else []
+        if not pending:
+            failures = []
+        elif executor == "ray":
+            from .ray_executor import run_pending_ray
+
+            failures = run_pending_ray(exp, pending, results, data_dir, cache_dir, address)
+        else:
+            failures = _run_pending(exp, pending, results, device, data_dir, cache_dir, progress)
         latest = {r["run_key"]: r for r in read_rows(results)}
         rows = [latest[k] for k in (run_key(exp, r, device) for r in exp.runs) if k in latest]
         df = write_report(exp.name, rows, reports_dir, exp.description, exp.findings)

@@ -1,0 +1,116 @@
+"""`--executor ray`: a local Ray runs the grid with rows equal to the local executor's, failures keep the other
+rows and resume only what is missing, a killed worker is retried with its row written once, and the bad inputs
+fail clearly. Ray and its workers start in ~10 s, so these are marked slow."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from quantlab.runs.experiment import parse_experiment
+from quantlab.runs.results import read_rows
+from quantlab.runs.runner import run_experiment
+
+TIMING = ("_s", "timestamp", "device_name", "eval_batch_size")  # columns that may differ between executors
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    tests_dir = str(Path(__file__).parent)
+    path = os.pathsep.join([tests_dir, str(Path(__file__).parents[1]), *sys.path])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    yield ray
+    ray.shutdown()
+
+
+def _grid(model_dir, tmp_path, extra_runs=(), **execution):
+    text = (model_dir / "sample.txt")
+    return parse_experiment({
+        "name": "grid", "model": str(model_dir), "device": "cpu", "execution": {"num_cpus": 1, **execution},
+        "eval": {"dataset": str(text), "seq_len": 32, "max_windows": 3, "kl_windows": 2, "latency": False},
+        "calibration": {"dataset": str(text), "split": "validation", "num_samples": 2, "seq_len": 32},
+        "run": [{"name": "fp32", "method": "none"}, *extra_runs],
+        "sweep": [{"method": "rtn", "bits": [4, 8], "group_size": [32]}, {"method": "gptq", "bits": [4], "group_size": 32}],
+    })
+
+
+def _metrics(rows):
+    return {r["run"]: {k: v for k, v in r.items() if not any(k.endswith(t) or k == t for t in TIMING)} for r in rows}
+
+
+@pytest.mark.slow
+def test_ray_rows_equal_the_local_executors(ray_local, tiny_model_dir, tmp_path):
+    import torch
+
+    exp = _grid(tiny_model_dir, tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tasks' num_cpus = 1: the same threads, so the same float reductions
+    try:
+        run_experiment(exp, tmp_path / "local", progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    run_experiment(exp, tmp_path / "ray", progress=False, executor="ray")
+    local, ray_rows = read_rows(tmp_path / "local/grid.results.jsonl"), read_rows(tmp_path / "ray/grid.results.jsonl")
+    assert sorted(r["run"] for r in ray_rows) == ["fp32", "gptq-w4", "rtn-w4-g32", "rtn-w8-g32"]
+    assert _metrics(ray_rows) == _metrics(local)  # every metric, the window NLLs, the run keys
+    report = (tmp_path / "ray/grid.csv").read_text().splitlines()
+    assert [line.split(",")[0] for line in report[1:]] == [r.name for r in exp.runs]  # the file's run order
+
+
+@pytest.mark.slow
+def test_a_failing_run_keeps_the_others_and_a_rerun_resumes_only_it(ray_local, tiny_model_dir, tmp_path, caplog):
+    bad = {"name": "bad-override", "method": "rtn", "bits": 4, "overrides": [{"pattern": "no.such.layer", "bits": 8}]}
+    exp = _grid(tiny_model_dir, tmp_path, extra_runs=[bad])
+    with pytest.raises(RuntimeError, match=r"1 run\(s\) failed .*bad-override: ValueError: override pattern "
+                                           r"'no.such.layer' matches no quantized layer"):
+        run_experiment(exp, tmp_path, progress=False, executor="ray")
+    rows = read_rows(tmp_path / "grid.results.jsonl")
+    assert sorted(r["run"] for r in rows) == ["fp32", "gptq-w4", "rtn-w4-g32", "rtn-w8-g32"]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="quantlab.runs.runner"), pytest.raises(RuntimeError, match="bad-override"):
+        run_experiment(exp, tmp_path, progress=False, executor="ray")
+    assert "5 runs, 4 already done, 1 to run" in caplog.text
+    assert len(read_rows(tmp_path / "grid.results.jsonl")) == 4
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_retried_and_its_row_written_once(ray_local, tiny_model_dir, tmp_path):
+    marker = tmp_path / "died-once"
+    run = {"name": "dies-once", "method": "die_once", "bits": 4, "group_size": 32, "marker": str(marker)}
+    sys.path.insert(0, str(Path(__file__).parent))
+    import ray_helpers  # noqa: F401  (registers die_once in this process too, for validation)
+
+    exp = _grid(tiny_model_dir, tmp_path, extra_runs=[run], max_retries=2)
+    run_experiment(exp, tmp_path, progress=False, executor="ray")
+    assert marker.exists()  # the first attempt died
+    rows = read_rows(tmp_path / "grid.results.jsonl")
+    assert [r["run"] for r in rows].count("dies-once") == 1 and len(rows) == 5
+    died = next(r for r in rows if r["run"] == "dies-once")
+    assert json.loads(died["config"])["method"] == "die_once" and died["ppl"] > 0
+
+
+def test_bad_execution_inputs_fail_clearly(tiny_model_dir, tmp_path, monkeypatch):
+    from quantlab.runs import ray_executor
+
+    with pytest.raises(ValueError, match=r"execution.max_retries must be an integer >= 0, got -1"):
+        _grid(tiny_model_dir, tmp_path, max_retries=-1)
+    with pytest.raises(ValueError, match=r"qat_processes = 2 applies to runs that train \(qat\), and no run here"):
+        _grid(tiny_model_dir, tmp_path, qat_processes=2)
+    exp = _grid(tiny_model_dir, tmp_path)
+    with pytest.raises(ValueError, match=r"unknown executor 'dask'; known: local, ray"):
+        run_experiment(exp, tmp_path, executor="dask")
+    with pytest.raises(ValueError, match=r"--address '1.2.3.4:1' needs --executor ray"):
+        run_experiment(exp, tmp_path, address="1.2.3.4:1")
+    with pytest.raises(ConnectionError, match=r"cannot reach the Ray cluster at '127.0.0.1:9'"):
+        ray_executor.check_reachable("127.0.0.1:9", timeout_s=2)  # nothing listens on the discard port
+    with pytest.raises(ValueError, match=r"--address 'nohost' is not 'auto' or host:port"):
+        ray_executor.check_reachable("nohost")
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'quantlab\[ray\]'"):
+        run_experiment(exp, tmp_path, executor="ray")
+    assert not (tmp_path / "grid.results.jsonl").exists()  # nothing was run or written
