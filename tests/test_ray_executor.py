@@ -114,3 +114,27 @@ def test_bad_execution_inputs_fail_clearly(tiny_model_dir, tmp_path, monkeypatch
     with pytest.raises(ImportError, match=r"pip install 'quantlab\[ray\]'"):
         run_experiment(exp, tmp_path, executor="ray")
     assert not (tmp_path / "grid.results.jsonl").exists()  # nothing was run or written
+
+
+@pytest.mark.slow
+@pytest.mark.needs_model("smollm2-135m")
+def test_a_four_run_smollm2_grid_on_ray_equals_the_local_run(ray_local, wikitext_dir, tmp_path):
+    """The issue's check on the real model: a 4-run [[sweep]] (plus the baseline), one 128-token window each."""
+    import torch
+
+    exp = parse_experiment({
+        "name": "smol_grid", "model": "smollm2-135m", "device": "cpu", "execution": {"num_cpus": 1},
+        "eval": {"seq_len": 128, "max_windows": 1, "kl_windows": 1, "latency": False},
+        "run": [{"name": "fp32", "method": "none"}],
+        "sweep": [{"method": "rtn", "bits": [3, 4], "group_size": [64, 128], "symmetric": False}]})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_experiment(exp, tmp_path / "local", data_dir=wikitext_dir, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    run_experiment(exp, tmp_path / "ray", data_dir=wikitext_dir, progress=False, executor="ray")
+    local = read_rows(tmp_path / "local/smol_grid.results.jsonl")
+    ray_rows = read_rows(tmp_path / "ray/smol_grid.results.jsonl")
+    assert len(ray_rows) == 5 and _metrics(ray_rows) == _metrics(local)
+    assert {r["run"] for r in ray_rows} >= {"rtn-w3-g64", "rtn-w4-g128"}

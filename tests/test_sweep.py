@@ -71,3 +71,14 @@ def test_dry_run_lists_the_grid_and_loads_nothing(tmp_path, monkeypatch, capsys)
     assert "gptq-w4-g128-seed1" in out and "w4 g128 sym" in out
     assert "9 runs: 0 done, 9 pending (8 calibrate, 0 train)" in out
     assert not (tmp_path / "r").exists()  # nothing written
+
+
+def test_execution_and_a_formats_sweep_round_trip_through_toml():
+    import tomllib
+
+    from quantlab.runs.tomlwrite import experiment_toml
+
+    exp = _exp({"method": "rtn", "format": ["nf4", "mxfp4"], "double_quant": False})
+    exp = parse_experiment({**tomllib.loads(experiment_toml(exp)), "execution": {"num_cpus": 2, "max_retries": 3}})
+    again = parse_experiment(tomllib.loads(experiment_toml(exp)))
+    assert again == exp and again.execution.num_cpus == 2 and [r.name for r in again.runs] == ["rtn-nf4", "rtn-mxfp4"]

@@ -97,7 +97,7 @@ def experiment_dict(exp) -> dict:
     for k in ("dtype", "device", "seed", "description", "findings"):
         if getattr(exp, k) != top.get(k):
             data[k] = getattr(exp, k)
-    for k in ("eval", "calibration"):
+    for k in ("eval", "calibration", "execution"):
         proto, defaults = getattr(exp, k), field_defaults(type(getattr(exp, k)))
         table = {f.name: getattr(proto, f.name) for f in dataclasses.fields(proto)
                  if getattr(proto, f.name) != defaults.get(f.name)}
