@@ -48,15 +48,19 @@ def reference_logprobs(model, windows: torch.Tensor, progress: bool = True) -> l
     Memory grows with len(windows) (T x V x 4 bytes each); for many windows pass the reference
     model to perplexity() instead, which recomputes each window's logits when it needs them.
     """
-    out = []
-    for w in tqdm(windows, desc="reference logits", leave=False, disable=not progress):
-        scorer = _Scorer(model, w[None])  # the same ops as the on-the-fly reference at batch_size=1
-        parts = []
-        for c0 in range(0, w.shape[0], LOSS_CHUNK):
-            r = scorer.logits(c0, c0 + LOSS_CHUNK)[0]
-            parts.append((r - torch.logsumexp(r, dim=-1, keepdim=True)).cpu())
-        out.append(torch.cat(parts))
-    return out
+    return [window_log_probs(model, w).cpu() for w in tqdm(windows, desc="reference logits", leave=False,
+                                                            disable=not progress)]
+
+
+def window_log_probs(model, window: torch.Tensor) -> torch.Tensor:
+    """Log-probs (T, V) fp32 of one window, by the same ops perplexity() uses at batch_size=1 (the head on
+    LOSS_CHUNK positions at a time, logits - logsumexp): two paths that must agree exactly share them."""
+    scorer = _Scorer(model, window[None])
+    parts = []
+    for c0 in range(0, window.shape[0], LOSS_CHUNK):
+        r = scorer.logits(c0, c0 + LOSS_CHUNK)[0]
+        parts.append(r - torch.logsumexp(r, dim=-1, keepdim=True))
+    return torch.cat(parts)
 
 
 def _kl_count(reference, kl_windows: int | None, n_windows: int) -> int:

@@ -33,6 +33,7 @@ from ..core.checks import check_choice
 from ..core.lifecycle import select_linears, set_submodule
 from ..core.qlinear import QuantLinear
 from ..core.registry import config_to_dict, get_method
+from ..eval.perplexity import window_log_probs
 from ..methods.rtn import RTNConfig
 from ..models.arch import find_blocks
 from ..reporting.report import scheme
@@ -137,7 +138,7 @@ class SuffixEvaluator:
         try:
             with torch.inference_mode():
                 for w in tqdm(windows, desc="float reference", leave=False, disable=not progress):
-                    logp = F.log_softmax(self._logits(w), dim=-1)
+                    logp = window_log_probs(self.model, w)
                     self.reference.append(logp)
                     self.float_nll += F.nll_loss(logp[:-1], w[1:].to(logp.device), reduction="sum").item()
         finally:
@@ -145,9 +146,6 @@ class SuffixEvaluator:
                 h.remove()
         self.predicted = windows.shape[0] * (windows.shape[1] - 1)
         self.evaluations = 0  # how many unit evaluations ran (tests: a cached rerun runs none)
-
-    def _logits(self, w: torch.Tensor) -> torch.Tensor:
-        return self.model(w.unsqueeze(0).to(self.device), use_cache=False).logits[0].float()  # (T, V)
 
     @torch.inference_mode()
     def measure(self, start_block: int) -> dict:
@@ -160,7 +158,7 @@ class SuffixEvaluator:
         try:
             for i, w in enumerate(self.windows):
                 replay.hidden = self.block_inputs[start_block][i] if start_block else None
-                logq = F.log_softmax(self._logits(w), dim=-1)
+                logq = window_log_probs(self.model, w)  # the ops perplexity() uses: its KL agrees exactly
                 kl += F.kl_div(logq, self.reference[i], log_target=True, reduction="sum").item()
                 nll += F.nll_loss(logq[:-1], w[1:].to(logq.device), reduction="sum").item()
         finally:
