@@ -35,6 +35,12 @@ def test_sweeps_compose_with_runs_nested_bases_overrides_and_backends():
     assert [t["exclude"] for t in tables] == [["lm_head"], ["lm_head", "x"]]
 
 
+def test_boolean_axes_are_named_by_what_they_mean():
+    names = [t["name"] for t in expand_sweep({"method": "gptq", "symmetric": [True, False],
+                                               "act_order": [True, False]}, "s")]
+    assert names == ["gptq-sym-act-order", "gptq-sym-no-act-order", "gptq-asym-act-order", "gptq-asym-no-act-order"]
+
+
 def test_experiment_seeds_expand_only_seed_dependent_sweep_runs():
     exp = parse_experiment({"model": "m", "seeds": [0, 1], "sweep": [{"method": ["rtn", "gptq"], "bits": 4}]})
     assert [r.name for r in exp.runs] == ["rtn", "gptq-seed0", "gptq-seed1"]  # RTN is deterministic

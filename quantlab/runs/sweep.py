@@ -13,6 +13,7 @@ repeats per seed), so it composes with the grid.
     seeds = [0, 1]           # -> gptq-w3-g64-seed0, gptq-w3-g64-seed1, ..., gptq-w4-g128-seed1: 8 runs
 
 Names: bits -> w<b>, group_size -> g<n> ("channel" for per-channel, written "channel"), act_bits -> a<b>,
+symmetric -> sym / asym, another true / false field -> <field> / no-<field>,
 any other field -> <field><value>, a list value -> <field><its 1-based position>; a nested field carries its
 table's name (base.bits -> base-w3).
 Every expanded run is validated like a [[run]] before anything loads.
@@ -24,6 +25,7 @@ from typing import Any
 
 LIST_FIELDS = ("include", "exclude", "overrides", "clip_ratios")  # take a list as one value
 ABBREVIATIONS = {"bits": "w", "group_size": "g", "act_bits": "a"}
+BOOL_LABELS = {"symmetric": ("sym", "asym"), "act_symmetric": ("act-sym", "act-asym")}  # (true, false)
 
 
 def _axes(table: dict, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], list]]:
@@ -55,7 +57,8 @@ def _set(table: dict, path: tuple[str, ...], value: Any) -> dict:
 def _label(path: tuple[str, ...], value: Any, index: int) -> str:
     key = path[-1]
     if isinstance(value, bool):
-        text = key if value else f"no-{key}"
+        name = key.replace("_", "-")
+        text = BOOL_LABELS[key][not value] if key in BOOL_LABELS else (name if value else f"no-{name}")
     elif key == "group_size" and value in (None, "channel"):
         text = "channel"
     elif isinstance(value, (list, dict)):  # e.g. exclude = [[...], [...]]: the value's position, 1-based
