@@ -180,3 +180,49 @@ def test_stages_of_the_tiny_llama_block(tiny_model, true_sequential):
                 ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
     assert stages == (expected if true_sequential else [[n for stage in expected for n in stage]])
     assert _stages(model.model.layers[1], config, "llama") == []
+
+
+@pytest.mark.parametrize("true_sequential", [True, False])
+def test_stopping_each_stage_pass_early_changes_nothing(tiny_model_dir, monkeypatch, true_sequential):
+    """Stage passes stop once the stage's layers have their inputs (methods/blocks.observe_block); reference:
+    the previous full block forward per stage. Same Hessians, so bitwise the same codes and scales."""
+    from quantlab.core.lifecycle import quant_linears
+    from quantlab.methods import blocks
+
+    calib = [torch.randint(0, 300, (1, 32), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    spec = {"method": "gptq", "bits": 3, "group_size": 32, "true_sequential": true_sequential}
+    calls = []
+    real = blocks.observe_block
+
+    def counting(block, inputs, kwargs, modules):
+        calls.append(sorted(modules))
+        return real(block, inputs, kwargs, modules)
+
+    monkeypatch.setattr(blocks, "observe_block", counting)
+    early, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
+    quantlab.quantize(early, quantlab.make_config(spec), calibration=calib)
+    monkeypatch.setattr(blocks, "observe_block", lambda block, inputs, kwargs, modules: blocks.run_block(block, inputs, kwargs))
+    full, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
+    quantlab.quantize(full, quantlab.make_config(spec), calibration=calib)
+    assert len(calls) == (8 if true_sequential else 2)  # 2 blocks x 4 stages, or one pass per block
+    a, b = quant_linears(early), quant_linears(full)
+    for name in a:
+        assert torch.equal(a[name].qweight, b[name].qweight) and torch.equal(a[name].scale, b[name].scale), name
+
+
+def test_observe_block_stops_at_the_last_observed_layer(tiny_model):
+    """The q/k/v stage never reaches the MLP; a stage whose layer is never called runs the whole block."""
+    from quantlab.methods.blocks import observe_block
+    from quantlab.models.arch import find_blocks
+
+    model, _ = tiny_model
+    block = find_blocks(model)[0]
+    reached = []
+    hook = block.mlp.register_forward_pre_hook(lambda m, a: reached.append("mlp"))
+    x = torch.randn(1, 8, model.config.hidden_size)
+    pos = model.model.rotary_emb(x, torch.arange(8)[None])
+    observe_block(block, [x], [{"position_embeddings": pos}], {"q": block.self_attn.q_proj, "v": block.self_attn.v_proj})
+    assert reached == []
+    observe_block(block, [x], [{"position_embeddings": pos}], {"never": torch.nn.Linear(2, 2)})
+    assert reached == ["mlp"]
+    hook.remove()

@@ -193,6 +193,37 @@ def run_block(block: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict]) 
     return [block_output(block(x, **kw)) for x, kw in zip(inputs, kwargs)]
 
 
+class _Observed(Exception):
+    """Raised inside a block once every observed module has seen its input: the rest of the forward is not needed."""
+
+
+def observe_block(block: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict], modules: dict[str, nn.Module]) -> None:
+    """Run the block on every input only as far as `modules` (hooked by observers already) see their inputs.
+
+    A forward pre-hook on each module notes it; once all have run, the forward stops (GPTQ's q/k/v stage needs
+    only the input norm, not attention and the MLP). The observers see exactly what a full forward shows them;
+    a module the forward never reaches just lets it run to the end.
+    """
+    seen: set[str] = set()
+
+    def note(name):
+        seen.add(name)
+        if len(seen) == len(modules):
+            raise _Observed
+
+    handles = [m.register_forward_pre_hook(lambda mod, args, name=name: note(name)) for name, m in modules.items()]
+    try:
+        for x, kw in zip(inputs, kwargs):
+            seen.clear()
+            try:
+                block(x, **kw)
+            except _Observed:
+                pass
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def for_each_block(
     model: nn.Module, batches: Iterable[torch.Tensor],
     process: Callable[[int, nn.Module, list[torch.Tensor], list[dict]], None], desc: str = "blocks",

@@ -23,7 +23,8 @@ from ..core.primitives import QParams, code_range
 from ..core.qlinear import QuantLinear, WeightSpec
 from ..core.registry import Method, register_method
 from ..models.arch import ARCH
-from .blocks import for_each_block, run_block
+from . import blocks
+from .blocks import for_each_block
 from .rtn import RTNConfig
 
 log = logging.getLogger(__name__)
@@ -173,9 +174,10 @@ class GPTQ(Method):
             for layer in layers.values():
                 layer.quant_enabled = False  # Hessians from float weights of this and later stages
             for stage in stages:
-                observers, remove = attach_input_observers({n: layers[n] for n in stage}, lambda n: HessianObserver())
-                try:
-                    run_block(block, inputs, kwargs)
+                observed = {n: layers[n] for n in stage}
+                observers, remove = attach_input_observers(observed, lambda n: HessianObserver())
+                try:  # stops each forward once the stage's layers have their inputs (the rest is not needed)
+                    blocks.observe_block(block, inputs, kwargs, observed)
                 finally:
                     remove()
                 for name in stage:
