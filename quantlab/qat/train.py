@@ -166,8 +166,9 @@ def _optimizer_step(model, teacher, batches: list[torch.Tensor], settings: Train
     step_loss = 0.0
     for batch in batches:
         loss = _loss(model, teacher, batch, settings, autocast)
-        if not math.isfinite(all_mean(loss.item())):  # every rank stops together (one NaN makes the mean NaN)
-            raise diverged("loss", loss.item())
+        mean = all_mean(loss.item())  # over the ranks: every rank stops together (one NaN makes the mean NaN)
+        if not math.isfinite(mean):
+            raise diverged("loss", mean)
         scaled = loss / settings.grad_accum
         (scaler.scale(scaled) if scaler else scaled).backward()
         step_loss += loss.item() / settings.grad_accum
