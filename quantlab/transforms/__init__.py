@@ -1,0 +1,1 @@
+"""Model transforms applied before quantization (rotations) and the matrices they use."""
