@@ -5,6 +5,9 @@ On CUDA the clock is read only after torch.cuda.synchronize(). Passes repeat unt
 `repeats` passes and `min_time_s` seconds are done. Prefill computes the last position's
 logits only where the model supports it (logits_to_keep=1, as generate() does), so a
 (B, 512) prompt does not materialize B x 512 x vocab logits.
+
+With kv=KVCacheConfig(...) (quantlab.kvcache) the model runs under apply_kv_quant and decodes on a
+QuantizedKVCache (bits 16: a float DynamicCache), and the row adds the cache's bytes after the last pass.
 """
 from __future__ import annotations
 
@@ -37,13 +40,16 @@ def _prefill_kwargs(model) -> dict:
 
 
 @torch.inference_mode()
-def _one_pass(model, prompt: torch.Tensor, new_tokens: int, device, call=None) -> tuple[float, list[float]]:
-    """One prefill + new_tokens greedy decode steps; `call` is the (maybe compiled) callable, `model` the module."""
+def _one_pass(model, prompt: torch.Tensor, new_tokens: int, device, call=None,
+              make_cache=None) -> tuple[float, list[float]]:
+    """One prefill + new_tokens greedy decode steps; `call` is the (maybe compiled) callable, `model` the module.
+    make_cache: None (the model's default cache) or a function returning the cache object the prefill fills."""
     call = model if call is None else call  # not `or`: a compiled module has no truth value (len)
+    given = {} if make_cache is None or not new_tokens else {_cache_kwarg(model): make_cache()}
     _sync(device)
     t0 = time.perf_counter()
     # 0 new tokens: encoders, prefill only
-    out = call(prompt, use_cache=True, **_prefill_kwargs(model)) if new_tokens else call(prompt)
+    out = call(prompt, use_cache=True, **_prefill_kwargs(model), **given) if new_tokens else call(prompt)
     _sync(device)
     prefill_ms = (time.perf_counter() - t0) * 1e3
     if not new_tokens:
@@ -62,13 +68,15 @@ def _one_pass(model, prompt: torch.Tensor, new_tokens: int, device, call=None) -
 
 def measure_latency(
     model, prompt: torch.Tensor, new_tokens: int = 32, warmup: int = 1, repeats: int = 3,
-    min_time_s: float = 0.0, compile: bool = False, max_repeats: int = 1000,
+    min_time_s: float = 0.0, compile: bool = False, max_repeats: int = 1000, kv=None,
 ) -> dict:
     """prompt: (B, N) token ids. Returns p50/p90 prefill ms and decode ms/token, tokens/s.
 
     Runs `warmup` untimed passes, then timed passes until at least `repeats` passes and
     `min_time_s` seconds (at most max_repeats passes). Each pass prefills the prompt and decodes
     exactly `new_tokens` greedy tokens per sequence. compile=True wraps the model in torch.compile.
+    kv: a quantlab.kvcache.KVCacheConfig (None: as before): decode on its quantized cache and add kv_cache_mib
+    (bytes the last pass's cache holds) and kv_cache_float_mib (a float DynamicCache for the same tokens).
 
     >>> measure_latency(model, ids[:128].unsqueeze(0), new_tokens=16)["decode_ms_per_token_p50"]
     """
@@ -81,13 +89,22 @@ def measure_latency(
     device = next(model.parameters()).device
     prompt = prompt.to(device)
     model.eval()
+    if kv is not None:
+        from ..kvcache.latency import kv_latency
+
+        return kv_latency(model, prompt, kv, new_tokens, warmup, repeats, min_time_s, compile, max_repeats, device)
+    return _measure(model, prompt, new_tokens, warmup, repeats, min_time_s, compile, max_repeats, device)
+
+
+def _measure(model, prompt, new_tokens, warmup, repeats, min_time_s, compile, max_repeats, device,
+             make_cache=None) -> dict:
     call = torch.compile(model) if compile else model
     for _ in range(warmup):
-        _one_pass(model, prompt, new_tokens if compile else min(new_tokens, 4), device, call)
+        _one_pass(model, prompt, new_tokens if compile else min(new_tokens, 4), device, call, make_cache)
     prefill, steps, passes = [], [], []
     t_start = time.perf_counter()
     while len(prefill) < max_repeats and (len(prefill) < repeats or time.perf_counter() - t_start < min_time_s):
-        p, s = _one_pass(model, prompt, new_tokens, device, call)
+        p, s = _one_pass(model, prompt, new_tokens, device, call, make_cache)
         prefill.append(p)
         steps.extend(s)
         passes.append(len(s))
