@@ -32,8 +32,15 @@ def select_linears(model: nn.Module, selection: LayerSelection) -> list[tuple[st
 
 
 def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Replace the module at `name`. Forward pre-hooks of the module replaced move to the new one (a rotation's
+    online Hadamard on a layer's input stays through every swap: quantize, QAT, export, sensitivity)."""
     parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, child, None)
+    if isinstance(old, nn.Module) and old is not module:
+        for key, hook in old._forward_pre_hooks.items():
+            module._forward_pre_hooks.setdefault(key, hook)
+    setattr(parent, child, module)
 
 
 def quant_linears(model: nn.Module) -> dict[str, QuantLinear]:

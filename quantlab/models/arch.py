@@ -50,10 +50,19 @@ _LLAMA = (
 
 _LLAMA_QK = ("self_attn.q_proj", "self_attn.k_proj")
 
+# rotations (transforms/rotation.py): which norm feeds which linears, which linears write to the residual stream
+_LLAMA_ROTATION = {
+    "final_norm": "model.norm",
+    "norm_to_linears": (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                        ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))),
+    "out_linears": ("self_attn.o_proj", "mlp.down_proj"),
+    "v": "self_attn.v_proj", "o": "self_attn.o_proj", "down": "mlp.down_proj",
+}
+
 ARCH: dict[str, dict] = {
-    "llama": {"blocks": "model.layers", "groups": _LLAMA, "qk": _LLAMA_QK},
-    "mistral": {"blocks": "model.layers", "groups": _LLAMA, "qk": _LLAMA_QK},
-    "qwen2": {"blocks": "model.layers", "groups": _LLAMA, "qk": _LLAMA_QK},
+    "llama": {"blocks": "model.layers", "groups": _LLAMA, "qk": _LLAMA_QK, "rotation": _LLAMA_ROTATION},
+    "mistral": {"blocks": "model.layers", "groups": _LLAMA, "qk": _LLAMA_QK, "rotation": _LLAMA_ROTATION},
+    "qwen2": {"blocks": "model.layers", "groups": _LLAMA, "qk": _LLAMA_QK, "rotation": _LLAMA_ROTATION},
     "opt": {
         "blocks": "model.decoder.layers",
         "qk": ("self_attn.q_proj", "self_attn.k_proj"),

@@ -74,6 +74,13 @@ def scheme(cfg: dict, dtype: str) -> str:
         kind = "dynamic" if cfg["method"] == "dynamic" else f"static {cfg.get('act_granularity', '')} {cfg.get('observer', '')}"
         act = f"a{cfg['act_bits']}" if cfg.get("act_format", "int") == "int" else f"a-{cfg['act_format']}"
         text += f" + {act} {kind.strip()}"
+    rot = cfg.get("rotation")
+    if rot:  # transforms/rotation.py: which rotations were folded in
+        text += " + rot " + "".join(["R1"] + (["R2"] if rot.get("r2", True) else []) + (["R4"] if rot.get("r4", True) else []))
+        text += "" if rot.get("kind", "hadamard") == "hadamard" else f" {rot['kind']}"
+    kv = cfg.get("kv_cache")
+    if kv and kv.get("bits", 16) < 16:
+        text += f" + kv{kv['bits']}" if kv.get("format", "int") == "int" else f" + kv-{kv['format']}"
     return text
 
 

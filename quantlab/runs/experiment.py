@@ -125,15 +125,58 @@ class RunSpec:
     seed: int | None = None  # set when the run is one of a `seeds` list; None: the experiment's seed
     group: str | None = None  # the run's name before seed expansion ("gptq-w4" for "gptq-w4-seed1")
     backend: str = "simulated"  # "simulated" | "torchao" | "auto": export to real kernels before evaluating
+    rotation: Any = None  # a RotationConfig (or its table): rotate the float model before quantizing
+    kv_cache: Any = None  # a KVCacheConfig (or its table): quantize the keys and values attention uses
 
     def __post_init__(self):
         from ..backends import check_backend
 
         check_name("run name", self.name)  # run names may reach paths (reports, checkpoints)
         check_backend(self.backend)
+        if isinstance(self.rotation, dict):
+            object.__setattr__(self, "rotation", _table_config("rotation", self.rotation))
+        if isinstance(self.kv_cache, dict):
+            object.__setattr__(self, "kv_cache", _table_config("kv_cache", self.kv_cache))
+        if self.rotation is not None:
+            check_rotation_composes(self.rotation, self.config, self.backend)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, **config_to_dict(self.config)}
+        extra = {k: getattr(self, k).to_dict() for k in ("rotation", "kv_cache") if getattr(self, k) is not None}
+        return {"name": self.name, **config_to_dict(self.config), **extra}
+
+
+def _table_config(field: str, table: dict):
+    """A run's `rotation = {...}` / `kv_cache = {...}` table -> its config (unknown keys named)."""
+    if field == "rotation":
+        from ..transforms.rotation import RotationConfig as cls
+    else:
+        from ..kvcache import KVCacheConfig as cls
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(table) - set(names))
+    if unknown:
+        raise ValueError(f"{field}: unknown key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(names)}")
+    return cls(**table)
+
+
+def _nested_configs(config):
+    """A method config and every config nested in it (`base`), outermost first."""
+    while config is not None:
+        yield config
+        config = getattr(config, "base", None)
+
+
+def check_rotation_composes(rotation, config, backend: str) -> None:
+    """R4 puts an online Hadamard between up_proj and down_proj: a smoothing scale folded across that pair (AWQ's
+    up -> down group, SmoothQuant's linear inputs) would no longer cancel. Real kernels do not run the hook."""
+    for c in _nested_configs(config):
+        name = get_method(c).name
+        if rotation.r4 and (name == "awq" or (name == "smoothquant" and getattr(c, "smooth_linear_inputs", False))):
+            raise ValueError(f"rotation with r4 = true (online Hadamard on down_proj's input) does not compose with "
+                             f"{name}{' smooth_linear_inputs' if name == 'smoothquant' else ''}: its up_proj -> "
+                             f"down_proj scales would not cancel through the Hadamard; set r4 = false in rotation")
+    if rotation.r4 and backend != "simulated":
+        raise ValueError(f"rotation with r4 = true runs an online Hadamard in PyTorch; backend {backend!r} is not "
+                         f"supported with it (use backend = \"simulated\" or r4 = false)")
 
 
 @dataclass(frozen=True)
@@ -163,6 +206,14 @@ class Experiment:
         if not isinstance(self.findings, str):
             raise ValueError(f"experiment {self.name!r}: findings must be a string (a template), "
                              f"got {type(self.findings).__name__}")
+        for r in self.runs:
+            if (r.rotation is not None or r.kv_cache is not None) and self.eval.memory == "isolated":
+                raise ValueError(f"experiment {self.name!r}: run {r.name!r} rotates or quantizes the KV cache, which "
+                                 f"the isolated memory process (it reloads the model) does not replay; set "
+                                 f"[eval] memory = \"none\" for this experiment")
+            if r.kv_cache is not None and self.eval.metric != "perplexity":
+                raise ValueError(f"experiment {self.name!r}: run {r.name!r}: kv_cache applies to decoder "
+                                 f"(perplexity) experiments, not to metric {self.eval.metric!r}")
 
 
 def _check_seeds(seeds, where: str) -> tuple[int, ...]:
@@ -216,8 +267,12 @@ def _parse_run(i: int, table: dict, where: str) -> RunSpec:
     except ValueError as e:
         raise ValueError(f"{where}: [[run]] #{i + 1}: {e}") from None
     backend = table.pop("backend", "simulated")
+    rotation, kv_cache = table.pop("rotation", None), table.pop("kv_cache", None)
     try:
-        return RunSpec(name, make_config(table), backend=backend)
+        for field, value in (("rotation", rotation), ("kv_cache", kv_cache)):
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"{field} must be a table, e.g. {field} = {{...}}, got {value!r}")
+        return RunSpec(name, make_config(table), backend=backend, rotation=rotation, kv_cache=kv_cache)
     except (ValueError, KeyError, TypeError) as e:
         msg = e.args[0] if e.args else str(e)
         raise ValueError(f"{where}: run {name!r}: {msg}") from None

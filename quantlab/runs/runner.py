@@ -26,6 +26,7 @@ from ..eval.perplexity import KL_REFERENCE_ON_THE_FLY
 from ..models.data import calibration_windows, eval_windows, load_text, load_token_ids, tokenize
 from ..models.loading import default_cache_dir, load_model, model_info, resolve_device
 from ..reporting.report import scheme, write_report
+from ..transforms.rotation import rotate_model
 from .envinfo import environment
 from .experiment import Experiment, RunSpec
 from .results import append_row, read_rows, results_lock
@@ -39,7 +40,8 @@ def run_key(exp: Experiment, run: RunSpec, device: torch.device) -> str:
     needs_calib = method.needs_calibration_for(run.config) or method.needs_training_for(run.config)
     ident = {
         "run": {"name": run.name, "method": get_method(run.config).name, **non_default_fields(run.config),
-                **({"backend": run.backend} if run.backend != "simulated" else {})},
+                **({"backend": run.backend} if run.backend != "simulated" else {}),
+                **{k: getattr(run, k).to_dict() for k in ("rotation", "kv_cache") if getattr(run, k) is not None}},
         "model": exp.model, "dtype": exp.dtype, "seed": exp.seed, "device": device.type,
         "eval": non_default_fields(exp.eval),
         "calibration": non_default_fields(exp.calibration) if needs_calib else None,
@@ -158,6 +160,10 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
     needs_train = method.needs_training_for(run.config)
     calib = [w.unsqueeze(0) for w in ctx.calibration(seed)] if needs_calib or needs_train else None
     checkpoints = Path(ctx.cache_dir or default_cache_dir()) / "checkpoints" / run_key(exp, run, ctx.device)
+    rotated = {}
+    if run.rotation is not None:  # before calibration: GPTQ / static ranges see the rotated activations
+        t0 = time.perf_counter()
+        rotated = rotate_model(model, run.rotation) | {"rotate_s": time.perf_counter() - t0}
     summary = quantize(model, run.config, calibration=calib if needs_calib else None,
                        training=calib if needs_train else None,
                        teacher=ctx.model if method.needs_teacher_for(run.config) else None,
@@ -182,6 +188,7 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
     row.update({k: v for k, v in summary.items() if k.endswith("_s") or k.startswith("train_")})
     row.update(summary["diagnostics"])  # what calibrate() reported, e.g. AWQ's chosen alphas
     row.update(exported)
+    row.update(rotated)
     if needs_calib or needs_train:
         c = exp.calibration
         row.update(calib_source=ctx.calib_source, calib_samples=c.num_samples, calib_seq_len=c.seq_len)

@@ -1,0 +1,191 @@
+"""Rotations that move activation outliers out of the way before quantization (QuaRot, Ashkboos et al. 2024;
+SpinQuant, Liu et al. 2024), folded into the weights so the float model computes the same function.
+
+For a pre-norm decoder with RMSNorm (Llama family), with Q orthogonal:
+- R1, the residual stream: every norm's weight is folded into the linears it feeds (W <- W diag(w), w <- 1), so
+  RMSNorm(x Q) = RMSNorm(x) Q (RMSNorm without a weight only divides by ||x||). Then the embedding (E <- E Q),
+  the linears reading the stream (q/k/v, gate/up, lm_head: W <- W Q) and the ones writing to it (o_proj,
+  down_proj: W <- Qᵀ W, b <- b Q) are rotated. A tied embedding is untied first: the embedding and the head then
+  hold different matrices (rows say `rotation_untied_head`; weight bytes grow by one vocab x hidden matrix).
+- R2 (`r2`), per attention head: v_proj's outputs and o_proj's inputs are rotated by a head_dim Hadamard, one
+  block per head (attention mixes tokens, never channels, so this folds exactly, also with grouped KV heads).
+- R4 (`r4`): an online Hadamard on down_proj's input (x <- x H / sqrt(n), a fast Walsh-Hadamard transform in the
+  forward, as a forward pre-hook that stays on the layer through quantization) and W_down <- W_down H / sqrt(n).
+  Activation quantizers of down_proj see the rotated input.
+
+kind "hadamard" (QuaRot): R1 = diag(random +-1) H / sqrt(n), seeded; R2 likewise per head; R4 the plain H / sqrt(n).
+kind "random": Haar-random orthogonal R1 and R2 (R4 stays a Hadamard: online it must be fast).
+Folding runs in float64, then casts back to the weights' dtype.
+
+    from quantlab.transforms.rotation import RotationConfig, rotate_model
+    rotate_model(model, RotationConfig(kind="hadamard", seed=0))   # logits unchanged (fp32 round-off)
+    quantize(model, make_config({"method": "dynamic", "act_bits": 4, "base": {"method": "gptq", "bits": 4}}), ...)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..core.checks import check_choice, check_int
+from ..models.arch import arch_for, find_blocks
+from .hadamard import factor_order, hadamard_matrix, hadamard_transform, random_orthogonal, random_signs
+
+KINDS = ("hadamard", "random")
+
+
+@dataclass(frozen=True)
+class RotationConfig:
+    """kind: "hadamard" (randomized Hadamard, QuaRot) or "random" (Haar orthogonal); seed: the random signs or
+    matrix; r2: per-head rotation of v_proj / o_proj; r4: online Hadamard on down_proj's input."""
+
+    kind: str = "hadamard"
+    seed: int = 0
+    r2: bool = True
+    r4: bool = True
+
+    def __post_init__(self):
+        check_choice("rotation kind", self.kind, KINDS)
+        check_int("rotation seed", self.seed, 0)
+        for field in ("r2", "r4"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"rotation {field} must be true or false, got {getattr(self, field)!r}")
+
+    def describe(self) -> str:
+        parts = ["R1"] + (["R2"] if self.r2 else []) + (["R4"] if self.r4 else [])
+        return f"rot {self.kind} {'+'.join(parts)}"
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "seed": self.seed, "r2": self.r2, "r4": self.r4}
+
+
+class OnlineHadamard:
+    """Forward pre-hook: the layer's input x becomes x H / sqrt(n) (fast Walsh-Hadamard transform)."""
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        return (hadamard_transform(args[0]),) + tuple(args[1:])
+
+
+def has_online_rotation(module: nn.Module) -> bool:
+    return any(isinstance(h, OnlineHadamard) for h in module._forward_pre_hooks.values())
+
+
+def _orthogonal(n: int, config: RotationConfig, seed: int) -> torch.Tensor:
+    """The n x n float64 rotation Q of this kind (x -> x Q)."""
+    if config.kind == "random":
+        return random_orthogonal(n, seed)
+    return random_signs(n, seed)[:, None] * hadamard_matrix(n).to(torch.float64) / n ** 0.5
+
+
+def _facts(model: nn.Module) -> dict:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    try:
+        facts = arch_for(model).get("rotation")
+    except ValueError:
+        facts = None
+    if facts is None:
+        from ..models.arch import ARCH
+
+        known = sorted(k for k, v in ARCH.items() if v.get("rotation"))
+        raise ValueError(f"rotation: model_type {model_type!r} has no rotation facts (pre-norm RMSNorm decoders "
+                         f"only); supported: {', '.join(known)}")
+    return facts
+
+
+def _check_float(model: nn.Module) -> None:
+    from ..core.qlinear import QuantLinear
+
+    quantized = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    if quantized:
+        raise ValueError(f"rotation: rotate the float model before quantizing it ({quantized[0]} is already a "
+                         f"QuantLinear)")
+    if getattr(model, "quantlab_rotation", None) is not None:
+        raise ValueError("rotation: this model is already rotated")
+
+
+def _set(param: torch.Tensor, value: torch.Tensor) -> None:
+    param.data.copy_(value.to(param.dtype))
+
+
+def _fold_norm_into(norm: nn.Module, linears: list[nn.Linear], q: torch.Tensor, name: str) -> None:
+    """W <- (W diag(w)) Q for each consumer, then w <- 1."""
+    if getattr(norm, "bias", None) is not None:
+        raise ValueError(f"rotation: {name} has a bias (a LayerNorm, not an RMSNorm); only RMSNorm folds")
+    w = norm.weight.detach().to(torch.float64)
+    for lin in linears:
+        _set(lin.weight, (lin.weight.detach().to(torch.float64) * w[None, :]) @ q)
+    norm.weight.data.fill_(1.0)
+
+
+def _rotate_output(lin: nn.Linear, q: torch.Tensor) -> None:
+    """A linear writing to the residual stream: W <- Qᵀ W, b <- b Q."""
+    _set(lin.weight, q.T @ lin.weight.detach().to(torch.float64))
+    if lin.bias is not None:
+        _set(lin.bias, lin.bias.detach().to(torch.float64) @ q)
+
+
+def _untie_head(model: nn.Module, head: nn.Linear, embed: nn.Embedding) -> bool:
+    if head.weight is not embed.weight and head.weight.data_ptr() != embed.weight.data_ptr():
+        return False
+    head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=embed.weight.requires_grad)
+    model.config.tie_word_embeddings = False  # save/load and tie_weights() keep them apart
+    return True
+
+
+def _rotate_heads(attn: nn.Module, facts: dict, qh: torch.Tensor, n_heads: int, n_kv: int) -> None:
+    """R2: v_proj rows per KV head <- Qhᵀ rows; o_proj columns per head <- columns Qh."""
+    v, o = attn.get_submodule(facts["v"]), attn.get_submodule(facts["o"])
+    hd = qh.shape[0]
+    wv = v.weight.detach().to(torch.float64).reshape(n_kv, hd, -1)
+    _set(v.weight, torch.einsum("dk,hdi->hki", qh, wv).reshape(n_kv * hd, -1))
+    if v.bias is not None:
+        _set(v.bias, (v.bias.detach().to(torch.float64).reshape(n_kv, hd) @ qh).reshape(-1))
+    wo = o.weight.detach().to(torch.float64).reshape(o.weight.shape[0], n_heads, hd)
+    _set(o.weight, torch.einsum("ohd,dk->ohk", wo, qh).reshape(o.weight.shape[0], n_heads * hd))
+
+
+@torch.no_grad()
+def rotate_model(model: nn.Module, config: RotationConfig) -> dict:
+    """Rotate a float Llama-family model in place (R1, optional R2 and R4); returns facts for the result row.
+
+    The model computes the same logits afterwards (to float round-off); quantize it next.
+    """
+    facts = _facts(model)
+    _check_float(model)
+    cfg = model.config
+    hidden = cfg.hidden_size
+    n_heads = cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(cfg, "head_dim", None) or hidden // n_heads
+    inter = cfg.intermediate_size
+    sizes = {"hidden_size": hidden} | ({"head_dim": head_dim} if config.r2 else {}) | (
+        {"intermediate_size": inter} if config.r4 else {})
+    for what, n in sizes.items():
+        if config.kind == "hadamard" or (what == "intermediate_size"):
+            try:
+                factor_order(n)
+            except ValueError as e:
+                raise ValueError(f"rotation: {what} = {n}: {e}") from None
+    q1 = _orthogonal(hidden, config, config.seed)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    untied = _untie_head(model, head, embed)
+    _set(embed.weight, embed.weight.detach().to(torch.float64) @ q1)
+    _fold_norm_into(model.get_submodule(facts["final_norm"]), [head], q1, facts["final_norm"])
+    qh = _orthogonal(head_dim, config, config.seed + 1) if config.r2 else None
+    q4 = hadamard_matrix(inter).to(torch.float64) / inter ** 0.5 if config.r4 else None
+    for i, block in enumerate(find_blocks(model)):
+        for norm_name, consumers in facts["norm_to_linears"]:
+            _fold_norm_into(block.get_submodule(norm_name), [block.get_submodule(c) for c in consumers], q1,
+                            f"block {i} {norm_name}")
+        for name in facts["out_linears"]:
+            _rotate_output(block.get_submodule(name), q1)
+        if qh is not None:
+            _rotate_heads(block, facts, qh, n_heads, n_kv)
+        if q4 is not None:
+            down = block.get_submodule(facts["down"])
+            _set(down.weight, down.weight.detach().to(torch.float64) @ q4)
+            down.register_forward_pre_hook(OnlineHadamard())
+    model.quantlab_rotation = config
+    return {"rotation": config.describe(), "rotation_seed": config.seed, "rotation_untied_head": untied,
+            "rotation_online_layers": len(find_blocks(model)) if config.r4 else 0}
