@@ -1,0 +1,309 @@
+"""`autoround`: AutoRound / SignRound (Cheng et al. 2023, "Optimize Weight Rounding via Signed Gradient
+Descent for the Quantization of LLMs"), as intel/auto-round (`autoround.py` quant_block, `wrapper.py`,
+`data_type/int.py`) does it on the integer grid.
+
+Block by block, every selected linear gets a rounding offset V (one per weight, init 0, kept in [-0.5, 0.5])
+and, with enable_minmax_tuning, per-group factors on the clipped range (init 1, kept in [0.5, 1]):
+    lo = min(w_group, 0)·min_factor, hi = max(w_group, 0)·max_factor -> scale, zero as rtn's min-max rule
+    q = clamp(round(W / scale + V) + zero)           (straight-through round, also on the zero point)
+The block's output with these weights is fitted to the float block's output on float inputs (MSE) by
+signed gradient descent, p -= lr·sign(grad), the lr decaying linearly to 0 over `iters` steps, each step on
+`batch_size` seeded random windows. The iterate with the lowest loss is kept; iteration 0 (V = 0, factors 1)
+is exactly rtn min-max, so the kept one is never worse than rtn on the loss it was chosen by. The layers
+then hold that grid weight and its qparams as fixed qparams (as GPTQ hands over), so convert() packs the
+integer codes and the frozen forward equals the fake-quant forward bit for bit.
+
+next_inputs = "quantized" (the reference's enable_quanted_input): each block trains on the outputs of the
+quantized blocks before it; "float": on the float model's hidden states.
+
+Differences from the reference (named in the README): the grid is rtn's (symmetric: codes -2^(b-1)..
+2^(b-1)-1 with scale amax / (2^(b-1)-1), where the reference spans 2·amax over 2^b-1 steps; asymmetric
+zero points clamped to the code range); factors are clamped to [0.5, 1] (the paper's range; the code uses
+[0, 1]) and V to [-0.5, 0.5] after each step (the reference bounds V only through its lr schedule);
+computation is in float32 (no amp / bf16); when batch_size < the number of windows, the kept iterate is
+compared with rtn once more on every window and rtn is kept if it is better there (the reference
+compares minibatch losses only). Not ported: norm/bias tuning, activation tuning, dynamic_max_gap,
+gradient accumulation, nblocks > 1, the `lm_head` / layers outside blocks.
+
+>>> cfg = make_config({"method": "autoround", "bits": 4, "group_size": 64, "iters": 200})
+>>> quantlab.quantize(model, cfg, calibration=calib)["diagnostics"]["autoround_loss_reduction_mean"]
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..core.checks import check_choice, check_int
+from ..core.lifecycle import freeze_all, swap_in_quant_linears
+from ..core.primitives import QParams, _grouped, _ungrouped, code_range, n_groups, round_ste
+from ..core.qlinear import QuantLinear, WeightSpec
+from ..core.registry import LayerSelection, Method, register_method
+from ..models.arch import find_blocks
+from . import blocks
+from .blocks import NEXT_INPUTS, block_output, capture_block_inputs, float_weights, prepared_linears, run_block
+
+FACTOR_RANGE = (0.5, 1.0)  # min/max clip factors
+OFFSET_RANGE = (-0.5, 0.5)  # rounding offsets V
+
+
+def _check_lr(field: str, value) -> None:
+    ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+    if not ok or (value is not None and value <= 0):
+        raise ValueError(f"{field} must be a number > 0 or omitted (default {'1/iters' if field == 'lr' else 'lr'}), "
+                         f"got {value!r}")
+
+
+@dataclass(frozen=True)
+class AutoRoundConfig:
+    """Integer grid (bits 2..8, group_size None = per output channel, symmetric, scale_dtype None = float16) and
+    AutoRound's knobs: iters signed-gradient steps per block (0: plain rtn), lr None = 1/iters, minmax_lr
+    None = lr, batch_size windows per step (capped at the calibration count), next_inputs "quantized" | "float",
+    seed for the window sampling; include / exclude name globs as rtn."""
+
+    bits: int = 4
+    group_size: int | None = None
+    symmetric: bool = False
+    scale_dtype: str | None = None
+    iters: int = 200
+    lr: float | None = None
+    minmax_lr: float | None = None
+    batch_size: int = 8
+    enable_minmax_tuning: bool = True
+    next_inputs: str = "quantized"
+    seed: int = 0
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ("lm_head",)
+
+    def __post_init__(self):
+        object.__setattr__(self, "include", self.selection.include)
+        object.__setattr__(self, "exclude", self.selection.exclude)
+        for field in ("symmetric", "enable_minmax_tuning"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"{field} must be true or false, got {getattr(self, field)!r}")  # noqa: TRY004
+        object.__setattr__(self, "scale_dtype", self.weight_spec.scale_dtype)  # validates bits, group_size too
+        check_int("iters", self.iters, 0)
+        check_int("batch_size", self.batch_size, 1)
+        check_int("seed", self.seed, 0)
+        _check_lr("lr", self.lr)
+        _check_lr("minmax_lr", self.minmax_lr)
+        check_choice("next_inputs", self.next_inputs, NEXT_INPUTS)
+
+    @property
+    def weight_spec(self) -> WeightSpec:
+        return WeightSpec(self.bits, self.group_size, self.symmetric, self.scale_dtype)
+
+    @property
+    def selection(self) -> LayerSelection:
+        return LayerSelection(self.include, self.exclude)
+
+    @property
+    def round_lr(self) -> float:
+        """The rounding offsets' initial lr: lr, or 1/iters as the reference."""
+        return self.lr if self.lr is not None else 1.0 / max(self.iters, 1)
+
+    @property
+    def factor_lr(self) -> float:
+        return self.minmax_lr if self.minmax_lr is not None else self.round_lr
+
+
+def autoround_qdq(w: torch.Tensor, v: torch.Tensor, min_factor: torch.Tensor, max_factor: torch.Tensor,
+                  spec: WeightSpec) -> tuple[torch.Tensor, QParams]:
+    """W (out, in) on the integer grid of `spec` with rounding offsets v (out, in) and clip factors
+    (out, n_groups): (the dequantized weight, differentiable in v and the factors; its qparams, detached).
+
+    Pure. With v = 0 and factors 1 it is rtn min-max bit for bit: the same float ops as
+    primitives.qparams_from_range / quantize / dequantize.
+
+    >>> w_hat, p = autoround_qdq(w, torch.zeros_like(w), torch.ones(32, 2), torch.ones(32, 2), WeightSpec(4, 48, False))
+    """
+    qmin, qmax = code_range(spec.bits, spec.symmetric)
+    wg = _grouped(w, spec.group_size)  # (out, n_groups, g), the ragged tail zero-padded
+    vg = _grouped(v, spec.group_size)
+    lo = torch.clamp(wg.amin(-1), max=0.0) * min_factor  # (out, n_groups)
+    hi = torch.clamp(wg.amax(-1), min=0.0) * max_factor
+    info = torch.finfo(spec.torch_scale_dtype)
+    if spec.symmetric:
+        scale = (torch.maximum(lo.abs(), hi.abs()) / qmax).clamp(info.tiny, info.max).to(spec.torch_scale_dtype)
+        zero = None
+    else:
+        scale = ((hi - lo) / (qmax - qmin)).clamp(info.tiny, info.max).to(spec.torch_scale_dtype)
+        zero = round_ste(-lo / scale.to(lo.dtype)).clamp(qmin, qmax)
+    s = scale.to(w.dtype).unsqueeze(-1)
+    q = round_ste(wg / s + vg)
+    if zero is not None:
+        q = q + zero.to(w.dtype).unsqueeze(-1)
+    q = torch.clamp(q, qmin, qmax)
+    out = (q - zero.to(w.dtype).unsqueeze(-1)) * s if zero is not None else q * s
+    p = QParams(scale.detach(), None if zero is None else zero.detach().to(torch.int32))
+    return _ungrouped(out, w.shape[-1]), p
+
+
+class BlockResult(NamedTuple):
+    rtn_loss: float | None  # MSE vs the float block's output at iteration 0 (rtn); None when iters = 0
+    best_loss: float | None  # that of the kept iterate (<= rtn_loss)
+    best_iter: int
+    fell_back: bool  # batch_size < windows and rtn was better on every window than the kept iterate
+
+
+class _Tuned:
+    """The trainable state of one block's layers: V and the two clip factors per layer."""
+
+    def __init__(self, layers: dict[str, QuantLinear], minmax: bool):
+        self.layers = layers
+        self.w = {n: m.weight.detach().float() for n, m in layers.items()}
+        self.v = {n: torch.zeros_like(w, requires_grad=True) for n, w in self.w.items()}
+        shapes = {n: (w.shape[0], n_groups(w.shape[1], layers[n].spec.group_size)) for n, w in self.w.items()}
+        self.lo = {n: torch.ones(s, device=self.w[n].device, requires_grad=minmax) for n, s in shapes.items()}
+        self.hi = {n: torch.ones(s, device=self.w[n].device, requires_grad=minmax) for n, s in shapes.items()}
+
+    def qdq(self, name: str) -> tuple[torch.Tensor, QParams]:
+        return autoround_qdq(self.w[name], self.v[name], self.lo[name], self.hi[name], self.layers[name].spec)
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [t.detach().clone() for d in (self.v, self.lo, self.hi) for t in d.values()]
+
+    @torch.no_grad()
+    def load(self, values: list[torch.Tensor]) -> None:
+        for t, value in zip([t for d in (self.v, self.lo, self.hi) for t in d.values()], values):
+            t.copy_(value)
+
+    @torch.no_grad()
+    def sign_step(self, round_lr: float, factor_lr: float) -> None:
+        """p -= lr·sign(grad), then each parameter back into its range."""
+        for params, lr, (lo, hi) in ((self.v, round_lr, OFFSET_RANGE), (self.lo, factor_lr, FACTOR_RANGE),
+                                     (self.hi, factor_lr, FACTOR_RANGE)):
+            for p in params.values():
+                if p.grad is not None:
+                    p.sub_(lr * p.grad.sign()).clamp_(lo, hi)
+                    p.grad = None
+
+    @contextmanager
+    def forwards(self, block: nn.Module):
+        """The block's layers multiply by their tuned grid weight (an instance override of quantized_weight, so
+        QuantLinear's input transforms still run); the block's own parameters take no gradient."""
+        frozen = [(p, p.requires_grad) for p in block.parameters()]
+        for name, layer in self.layers.items():
+            layer.quantized_weight = lambda dtype=None, name=name: self.qdq(name)[0].to(dtype or torch.float32)
+        try:
+            for p, _ in frozen:
+                p.requires_grad_(False)
+            yield
+        finally:
+            for layer in self.layers.values():
+                layer.__dict__.pop("quantized_weight", None)
+            for p, flag in frozen:
+                p.requires_grad_(flag)
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """Hand the current iterate to the layers: grid weight + fixed qparams (freeze packs its codes)."""
+        for name, layer in self.layers.items():
+            w_hat, p = self.qdq(name)
+            layer.weight.data.copy_(w_hat.to(layer.weight.dtype))
+            layer.fixed_qparams = p
+
+
+def _loss(block: nn.Module, inputs: list, targets: list, kwargs: list[dict], idx: list[int], stack: bool,
+          backward: bool) -> float:
+    """MSE over the windows `idx` (stacked into one forward when their shapes allow); backward() when asked."""
+    count = sum(targets[i].numel() for i in idx)
+    chunks = [idx] if stack else [[i] for i in idx]
+    total = 0.0
+    for chunk in chunks:
+        x, kw = torch.cat([inputs[i] for i in chunk]), blocks._merge([kwargs[i] for i in chunk])
+        target = torch.cat([targets[i] for i in chunk])
+        with torch.set_grad_enabled(backward):
+            loss = (block_output(block(x, **kw)).float() - target.float()).pow(2).sum() / count
+        if backward:
+            loss.backward()
+        total += float(loss.detach())
+    return total
+
+
+def _full_loss(block, tuned: _Tuned, values: list, inputs: list, targets: list, kwargs: list[dict],
+               stack: bool) -> float:
+    tuned.load(values)
+    return _loss(block, inputs, targets, kwargs, list(range(len(inputs))), stack, backward=False)
+
+
+def autoround_block(block: nn.Module, inputs: list, targets: list, kwargs: list[dict], config: AutoRoundConfig,
+                    generator: torch.Generator) -> BlockResult | None:
+    """Tune the block's prepared QuantLinears so that block(inputs) ≈ targets; None when it has none."""
+    layers = prepared_linears(block)
+    if not layers:
+        return None
+    tuned = _Tuned(layers, config.enable_minmax_tuning)
+    rtn = best = tuned.snapshot()
+    rtn_loss = best_loss = None
+    best_iter, fell_back, n = 0, False, len(inputs)
+    batch = min(config.batch_size, n)
+    stack = all(blocks._same_structure((inputs[0], kwargs[0]), (inputs[i], kwargs[i])) for i in range(n))
+    with tuned.forwards(block):
+        for i in range(config.iters):
+            idx = sorted(torch.randperm(n, generator=generator)[:batch].tolist())
+            loss = _loss(block, inputs, targets, kwargs, idx, stack, backward=True)
+            if i == 0:
+                rtn_loss = best_loss = loss
+            elif loss < best_loss:
+                best, best_loss, best_iter = tuned.snapshot(), loss, i
+            decay = 1.0 - i / config.iters  # the reference's LinearLR(1 -> 0 over iters)
+            tuned.sign_step(config.round_lr * decay, config.factor_lr * decay)
+        if config.iters and batch < n:  # the losses above are minibatch ones: compare on every window
+            rtn_loss, best_loss = (_full_loss(block, tuned, values, inputs, targets, kwargs, stack) for values in (rtn, best))
+            if best_loss > rtn_loss:
+                best, best_loss, best_iter, fell_back = rtn, rtn_loss, 0, True
+    tuned.load(best)
+    tuned.apply()
+    return BlockResult(rtn_loss, best_loss, best_iter, fell_back)
+
+
+def diagnostics(results: list[BlockResult | None], config: AutoRoundConfig) -> dict:
+    """Row scalars: mean relative loss reduction vs rtn over the tuned blocks, the worst best/rtn ratio, mean best
+    iteration, blocks where rtn was kept after the full-set check."""
+    done = [r for r in results if r is not None and r.rtn_loss is not None]
+    out = {"autoround_iters": config.iters, "autoround_blocks": len(done), "autoround_loss_reduction_mean": None,
+           "autoround_loss_ratio_max": None, "autoround_best_iter_mean": None,
+           "autoround_rtn_kept_blocks": sum(r.fell_back for r in done)}
+    if done:
+        ratios = [r.best_loss / r.rtn_loss if r.rtn_loss > 0 else 1.0 for r in done]
+        out.update(autoround_loss_reduction_mean=sum(1 - r for r in ratios) / len(ratios),
+                   autoround_loss_ratio_max=max(ratios),
+                   autoround_best_iter_mean=sum(r.best_iter for r in done) / len(done))
+    return out
+
+
+@register_method
+class AutoRound(Method):
+    name = "autoround"
+    config_cls = AutoRoundConfig
+    needs_calibration = True
+
+    def prepare(self, model, config: AutoRoundConfig) -> None:
+        swap_in_quant_linears(model, config.selection, config.weight_spec)
+
+    def calibrate(self, model, config: AutoRoundConfig, batches, progress: bool = True) -> dict:
+        """Blocks in order, with two streams of hidden states: float (the targets, and the next float inputs) and
+        quantized (the training inputs with next_inputs = "quantized")."""
+        was_training = model.training
+        model.eval()
+        inputs, kwargs = capture_block_inputs(model, batches)
+        q_inputs, generator, results = inputs, torch.Generator().manual_seed(config.seed), []
+        for block in tqdm(find_blocks(model), desc="autoround", leave=False, disable=not progress):
+            with float_weights(prepared_linears(block)):
+                targets = run_block(block, inputs, kwargs)  # the float block on float inputs
+            train_inputs = q_inputs if config.next_inputs == "quantized" else inputs
+            results.append(autoround_block(block, train_inputs, targets, kwargs, config, generator))
+            if config.next_inputs == "quantized":
+                q_inputs = run_block(block, q_inputs, kwargs)
+            inputs = targets
+        model.train(was_training)
+        return diagnostics(results, config)
+
+    def convert(self, model, config: AutoRoundConfig) -> None:
+        freeze_all(model)
