@@ -188,3 +188,25 @@ def test_rotated_smollm2_keeps_its_logits_and_rescues_w4a4(wikitext_dir):
     # measured 2 x 256 tokens: ~9850 without rotation, ~150 with (fp32 ~31)
     assert ppl["rotated"] < ppl["plain"] / 5, ppl
     assert isinstance(next(iter(rot.model.layers[0].mlp.down_proj._forward_pre_hooks.values())), OnlineHadamard)
+
+
+def test_experiment_runs_quantize_the_kv_cache(tiny_model_dir, tmp_path):
+    """A run's kv_cache table: kv16 is the float model exactly; kv4 changes ppl and holds fewer cache bytes; the
+    shared float model (the KL reference) keeps its own attention."""
+    runs = [{"name": "fp32", "method": "none"},
+            {"name": "kv16", "method": "none", "kv_cache": {"bits": 16}},
+            {"name": "kv4", "method": "none", "kv_cache": {"bits": 4}},
+            {"name": "w4a4-rot-kv4", "method": "dynamic", "act_bits": 4, "base": {"method": "rtn", "bits": 4},
+             "rotation": {}, "kv_cache": {"bits": 4, "rotate_k": True}}]
+    exp = _tiny_experiment(tiny_model_dir, runs)
+    exp = parse_experiment({"name": "kv", "model": str(tiny_model_dir), "device": "cpu", "run": runs,
+                            "eval": {"dataset": str(tiny_model_dir / "sample.txt"), "seq_len": 32, "max_windows": 3,
+                                     "kl_windows": 2, "prefill_tokens": 8, "decode_tokens": 2, "latency_repeats": 1}})
+    df = runner.run_experiment(exp, tmp_path, progress=False).set_index("run")
+    assert df.loc["kv16", "ppl"] == df.loc["fp32", "ppl"] and df.loc["kv16", "kl_mean"] == 0
+    assert df.loc["kv4", "ppl"] != df.loc["fp32", "ppl"] and df.loc["kv4", "kl_mean"] > 0
+    assert df.loc["kv4", "kv_cache"] == "kv4 ghead asym" and df.loc["kv4", "scheme"] == "float32 + kv4"
+    assert df.loc["kv4", "kv_cache_mib"] < df.loc["kv4", "kv_cache_float_mib"]
+    assert df.loc["w4a4-rot-kv4", "scheme"] == "w4 channel sym + a4 dynamic + rot R1R2R4 + kv4"
+    with pytest.raises(ValueError, match=r"kv_cache: unknown key\(s\) 'bitz'"):
+        _tiny_experiment(tiny_model_dir, [{"name": "a", "method": "none", "kv_cache": {"bitz": 4}}])

@@ -67,7 +67,7 @@ def scheme(cfg: dict, dtype: str) -> str:
     elif isinstance(cfg.get("base"), dict):
         text = scheme(cfg["base"], dtype)
     else:
-        return dtype
+        text = dtype  # nothing quantized in the weights (a rotation or the KV cache may still apply)
     if cfg["method"] == "qat":
         text += f" + QAT {'LSQ' if cfg.get('learn_scales', True) else 'STE'}"
     if "act_bits" in cfg:

@@ -23,6 +23,7 @@ from ..eval import measure_latency, peak_memory_mib, perplexity, reset_peak_memo
 from ..eval.embedding import embedding_fidelity, layer_output_errors, mean_pooled_embeddings, sentences_from_text
 from ..eval.memprobe import isolated_run_memory
 from ..eval.perplexity import KL_REFERENCE_ON_THE_FLY
+from ..kvcache import apply_kv_quant, kv_describe
 from ..models.data import calibration_windows, eval_windows, load_text, load_token_ids, tokenize
 from ..models.loading import default_cache_dir, load_model, model_info, resolve_device
 from ..reporting.report import scheme, write_report
@@ -171,6 +172,8 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
                        train_processes=exp.execution.qat_processes)
     isolated = _isolated_memory(ctx, run, model, method.name) if exp.eval.memory == "isolated" else {}
     exported = export_for_run(model, run.backend, method.name, ctx.eval_ids[:64].unsqueeze(0))
+    if run.kv_cache is not None:  # the keys and values attention uses, in the harness and in the decode cache
+        apply_kv_quant(model, run.kv_cache)
     ctx.check_reference()
     reset_peak_memory(ctx.device)  # CUDA: the measured phase (evaluation + latency) starts here
     t0 = time.perf_counter()
@@ -179,7 +182,7 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
     if exp.eval.latency:
         prompt = ctx.eval_ids[: exp.eval.prefill_tokens].unsqueeze(0)
         new_tokens = exp.eval.decode_tokens if exp.eval.metric == "perplexity" else 0
-        row.update(measure_latency(model, prompt, new_tokens, repeats=exp.eval.latency_repeats))
+        row.update(measure_latency(model, prompt, new_tokens, repeats=exp.eval.latency_repeats, kv=run.kv_cache))
     if isolated:  # every memory column from the fresh process (or memory_probe saying why there are none)
         row.update(isolated)
     elif ctx.device.type == "cuda":  # CPU: no in-process per-run peak exists (eval/memory.py)
@@ -189,6 +192,8 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
     row.update(summary["diagnostics"])  # what calibrate() reported, e.g. AWQ's chosen alphas
     row.update(exported)
     row.update(rotated)
+    if run.kv_cache is not None:
+        row["kv_cache"] = kv_describe(run.kv_cache)
     if needs_calib or needs_train:
         c = exp.calibration
         row.update(calib_source=ctx.calib_source, calib_samples=c.num_samples, calib_seq_len=c.seq_len)
