@@ -18,7 +18,7 @@ import torch
 
 from ..backends import export_for_run
 from ..core.lifecycle import quantize
-from ..core.registry import config_to_dict, get_method, method_versions, non_default_fields
+from ..core.registry import get_method, method_versions, non_default_fields
 from ..eval import measure_latency, peak_memory_mib, perplexity, reset_peak_memory, weight_stats
 from ..eval.embedding import embedding_fidelity, layer_output_errors, mean_pooled_embeddings, sentences_from_text
 from ..eval.memprobe import isolated_run_memory
@@ -256,7 +256,7 @@ def plan_experiment(exp: Experiment, reports_dir: str | Path = "reports") -> lis
     for run in exp.runs:
         method = get_method(run.config)
         times = sorted(seconds.get(method.name, []))
-        plan.append({"run": run.name, "method": method.name, "scheme": scheme(config_to_dict(run.config), exp.dtype),
+        plan.append({"run": run.name, "method": method.name, "scheme": scheme(run.to_dict(), exp.dtype),
                      "calibrates": method.needs_calibration_for(run.config),
                      "trains": method.needs_training_for(run.config), "backend": run.backend,
                      "done": run_key(exp, run, device) in done,
