@@ -171,7 +171,7 @@ def test_config_defaults():
 def test_smollm2_blocks_beat_rtn(wikitext_dir, monkeypatch):
     """SmolLM2-135M cut to its first two blocks, 2 validation windows of 128 tokens, w3 g64 asym (its floats
     already sit near a 4-bit grid), 20 iters. References: rtn's block MSE recomputed from the recorded data, and
-    rtn's error of the last hidden state vs float on 2 other validation windows (held out). ~20 s on 2 idle cores."""
+    rtn's error of the last hidden state vs float on 2 other validation windows (held out)."""
     from quantlab.models.data import calibration_windows, load_token_ids
 
     model, tok = quantlab.load_model("smollm2-135m", device="cpu")
@@ -191,9 +191,9 @@ def test_smollm2_blocks_beat_rtn(wikitext_dir, monkeypatch):
     diag = quantlab.quantize(model, config, calibration=calib, progress=False)["diagnostics"]
     losses = [(_mse(rtn_block, xs, kws, ts), _mse(block, xs, kws, ts)) for rtn_block, block, xs, ts, kws, _ in records]
     assert len(losses) == 2 and all(tuned <= rtn for rtn, tuned in losses), losses
-    # measured: 0.12 and 0.09 of rtn's block loss on the calibration windows (the fit is tight on 256 tokens)
+    # measured: 0.15 and 0.14 of rtn's block loss on the calibration windows (the fit is tight on 256 tokens)
     assert sum(tuned / rtn for rtn, tuned in losses) / len(losses) < 0.5, losses
     assert diag["autoround_loss_ratio_max"] <= 1 and diag["autoround_rtn_kept_blocks"] == 0
     with torch.no_grad():
         err = float((model.model(held_out).last_hidden_state - ref).pow(2).mean())
-    assert err < 0.8 * rtn_err, (err, rtn_err)  # measured: 0.46x
+    assert err < 0.8 * rtn_err, (err, rtn_err)  # measured: 0.55x
