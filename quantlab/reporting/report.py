@@ -75,7 +75,9 @@ def scheme(cfg: dict, dtype: str) -> str:
         act = f"a{cfg['act_bits']}" if cfg.get("act_format", "int") == "int" else f"a-{cfg['act_format']}"
         text += f" + {act} {kind.strip()}"
     rot = cfg.get("rotation")
-    if rot:  # transforms/rotation.py: which rotations were folded in
+    if rot and rot.get("scope") == "online":
+        text += " + rot online"
+    elif rot:  # transforms/rotation.py: which rotations were folded in
         text += " + rot " + "".join(["R1"] + (["R2"] if rot.get("r2", True) else []) + (["R4"] if rot.get("r4", True) else []))
         text += "" if rot.get("kind", "hadamard") == "hadamard" else f" {rot['kind']}"
     kv = cfg.get("kv_cache")

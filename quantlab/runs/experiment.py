@@ -168,13 +168,17 @@ def _nested_configs(config):
 def check_rotation_composes(rotation, config, backend: str) -> None:
     """R4 puts an online Hadamard between up_proj and down_proj: a smoothing scale folded across that pair (AWQ's
     up -> down group, SmoothQuant's linear inputs) would no longer cancel. Real kernels do not run the hook."""
+    online = rotation.scope == "online"
     for c in _nested_configs(config):
         name = get_method(c).name
+        if online and name in ("awq", "smoothquant"):
+            raise ValueError(f"rotation scope 'online' (a Hadamard on every linear's input) does not compose with "
+                             f"{name}: its per-channel scales live in the unrotated channels")
         if rotation.r4 and (name == "awq" or (name == "smoothquant" and getattr(c, "smooth_linear_inputs", False))):
             raise ValueError(f"rotation with r4 = true (online Hadamard on down_proj's input) does not compose with "
                              f"{name}{' smooth_linear_inputs' if name == 'smoothquant' else ''}: its up_proj -> "
                              f"down_proj scales would not cancel through the Hadamard; set r4 = false in rotation")
-    if rotation.r4 and backend != "simulated":
+    if (rotation.r4 or online) and backend != "simulated":
         raise ValueError(f"rotation with r4 = true runs an online Hadamard in PyTorch; backend {backend!r} is not "
                          f"supported with it (use backend = \"simulated\" or r4 = false)")
 

@@ -17,6 +17,11 @@ kind "hadamard" (QuaRot): R1 = diag(random +-1) H / sqrt(n), seeded; R2 likewise
 kind "random": Haar-random orthogonal R1 and R2 (R4 stays a Hadamard: online it must be fast).
 Folding runs in float64, then casts back to the weights' dtype.
 
+scope "online" (a named variant, for any architecture): no folding through norms; every linear except the output
+head gets an online Hadamard on its input and W <- W H / sqrt(n). This is what a post-LN encoder (BERT) allows:
+its LayerNorm subtracts the mean, has a bias, and its output also feeds the residual, so R1 cannot pass through it;
+the price is one fast Walsh-Hadamard transform per linear per forward.
+
     from quantlab.transforms.rotation import RotationConfig, rotate_model
     rotate_model(model, RotationConfig(kind="hadamard", seed=0))   # logits unchanged (fp32 round-off)
     quantize(model, make_config({"method": "dynamic", "act_bits": 4, "base": {"method": "gptq", "bits": 4}}), ...)
@@ -33,6 +38,7 @@ from ..models.arch import arch_for, find_blocks
 from .hadamard import factor_order, hadamard_matrix, hadamard_transform, random_orthogonal, random_signs
 
 KINDS = ("hadamard", "random")
+SCOPES = ("residual", "online")
 
 
 @dataclass(frozen=True)
@@ -44,20 +50,28 @@ class RotationConfig:
     seed: int = 0
     r2: bool = True
     r4: bool = True
+    scope: str = "residual"
 
     def __post_init__(self):
         check_choice("rotation kind", self.kind, KINDS)
+        check_choice("rotation scope", self.scope, SCOPES)
+        if self.scope == "online" and self.kind != "hadamard":
+            raise ValueError(f"rotation scope 'online' runs a fast Hadamard in every forward; kind {self.kind!r} "
+                             f"is not supported with it (use kind = \"hadamard\")")
         check_int("rotation seed", self.seed, 0)
         for field in ("r2", "r4"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"rotation {field} must be true or false, got {getattr(self, field)!r}")
 
     def describe(self) -> str:
+        if self.scope == "online":
+            return "rot online hadamard (every linear input)"
         parts = ["R1"] + (["R2"] if self.r2 else []) + (["R4"] if self.r4 else [])
         return f"rot {self.kind} {'+'.join(parts)}"
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "seed": self.seed, "r2": self.r2, "r4": self.r4}
+        out = {"kind": self.kind, "seed": self.seed, "r2": self.r2, "r4": self.r4}
+        return out | ({"scope": self.scope} if self.scope != "residual" else {})  # run keys of residual runs stay
 
 
 class OnlineHadamard:
@@ -89,7 +103,7 @@ def _facts(model: nn.Module) -> dict:
 
         known = sorted(k for k, v in ARCH.items() if v.get("rotation"))
         raise ValueError(f"rotation: model_type {model_type!r} has no rotation facts (pre-norm RMSNorm decoders "
-                         f"only); supported: {', '.join(known)}")
+                         f"only); supported: {', '.join(known)}; scope = \"online\" works on any model")
     return facts
 
 
@@ -146,13 +160,35 @@ def _rotate_heads(attn: nn.Module, facts: dict, qh: torch.Tensor, n_heads: int, 
 
 
 @torch.no_grad()
-def rotate_model(model: nn.Module, config: RotationConfig) -> dict:
-    """Rotate a float Llama-family model in place (R1, optional R2 and R4); returns facts for the result row.
+def _rotate_online(model: nn.Module, config: RotationConfig) -> dict:
+    """scope "online": an online Hadamard on the input of every linear but the output head, folded into W."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and m is not head]
+    if not linears:
+        raise ValueError(f"rotation: {type(model).__name__} has no nn.Linear layers to rotate")
+    for name, lin in linears:
+        try:
+            factor_order(lin.in_features)
+        except ValueError as e:
+            raise ValueError(f"rotation: {name} in_features = {lin.in_features}: {e}") from None
+    for _, lin in linears:
+        n = lin.in_features
+        _set(lin.weight, lin.weight.detach().to(torch.float64) @ (hadamard_matrix(n).to(torch.float64) / n ** 0.5))
+        lin.register_forward_pre_hook(OnlineHadamard())
+    model.quantlab_rotation = config
+    return {"rotation": config.describe(), "rotation_seed": config.seed, "rotation_untied_head": False,
+            "rotation_online_layers": len(linears)}
 
-    The model computes the same logits afterwards (to float round-off); quantize it next.
+
+@torch.no_grad()
+def rotate_model(model: nn.Module, config: RotationConfig) -> dict:
+    """Rotate a float model in place: Llama family R1 (+ R2, R4) folded, or scope "online" on any model; returns
+    facts for the result row. The model computes the same logits afterwards (to float round-off); quantize it next.
     """
-    facts = _facts(model)
     _check_float(model)
+    if config.scope == "online":
+        return _rotate_online(model, config)
+    facts = _facts(model)
     cfg = model.config
     hidden = cfg.hidden_size
     n_heads = cfg.num_attention_heads
