@@ -207,7 +207,7 @@ def test_experiment_runs_quantize_the_kv_cache(tiny_model_dir, tmp_path):
     assert df.loc["kv4", "ppl"] != df.loc["fp32", "ppl"] and df.loc["kv4", "kl_mean"] > 0
     assert df.loc["kv4", "kv_cache"] == "kv4 ghead asym" and df.loc["kv4", "scheme"] == "float32 + kv4"
     assert df.loc["kv4", "kv_cache_mib"] < df.loc["kv4", "kv_cache_float_mib"]
-    assert df.loc["w4a4-rot-kv4", "scheme"] == "w4 channel sym + a4 dynamic + rot R1R2R4 + kv4"
+    assert df.loc["w4a4-rot-kv4", "scheme"] == "w4 channel sym + a4 dynamic + rot R1R2R4 + kv4 rotK"
     with pytest.raises(ValueError, match=r"kv_cache: unknown key\(s\) 'bitz'"):
         _tiny_experiment(tiny_model_dir, [{"name": "a", "method": "none", "kv_cache": {"bitz": 4}}])
 
@@ -263,3 +263,16 @@ def test_online_hadamard_tames_outlier_channels_for_4_bit_activations():
 def test_online_scope_refuses_smoothing_methods(tiny_model_dir):
     with pytest.raises(ValueError, match="scope 'online' .* does not compose with smoothquant"):
         _tiny_experiment(tiny_model_dir, [{"name": "a", "method": "smoothquant", "rotation": {"scope": "online"}}])
+
+
+def test_scheme_names_rotation_scope_and_kv_rotation():
+    """The scheme column tells apart what changes the numbers: rotation scope, KV bits, the K Hadamard."""
+    from quantlab.reporting.report import scheme
+
+    base = {"method": "rtn", "bits": 4, "group_size": 64, "symmetric": False}
+    assert scheme({**base, "rotation": {"kind": "hadamard"}}, "float32") == "w4 g64 asym + rot R1R2R4"
+    assert scheme({**base, "rotation": {"kind": "random", "r4": False}}, "float32") == "w4 g64 asym + rot R1R2 random"
+    assert scheme({**base, "rotation": {"scope": "online"}}, "float32") == "w4 g64 asym + rot online"
+    assert scheme({"method": "none", "kv_cache": {"bits": 4}}, "float32") == "float32 + kv4"
+    assert scheme({"method": "none", "kv_cache": {"bits": 4, "rotate_k": True}}, "float32") == "float32 + kv4 rotK"
+    assert scheme({"method": "none", "kv_cache": {"bits": 16}}, "float32") == "float32"

@@ -81,8 +81,9 @@ def scheme(cfg: dict, dtype: str) -> str:
         text += " + rot " + "".join(["R1"] + (["R2"] if rot.get("r2", True) else []) + (["R4"] if rot.get("r4", True) else []))
         text += "" if rot.get("kind", "hadamard") == "hadamard" else f" {rot['kind']}"
     kv = cfg.get("kv_cache")
-    if kv and kv.get("bits", 16) < 16:
-        text += f" + kv{kv['bits']}" if kv.get("format", "int") == "int" else f" + kv-{kv['format']}"
+    if kv and (kv.get("bits", 16) < 16 or kv.get("rotate_k")):
+        text += f" + kv{kv.get('bits', 16)}" if kv.get("format", "int") == "int" else f" + kv-{kv['format']}"
+        text += " rotK" if kv.get("rotate_k") else ""  # QuaRot's online head-dim Hadamard on Q and K
     return text
 
 
