@@ -336,7 +336,7 @@ def test_nan_activations_name_the_module(tiny_model):
 def test_unknown_model_type_lists_supported(tiny_model):
     model, _ = tiny_model
     model.config.model_type = "gpt9"
-    with pytest.raises(ValueError, match=r"model_type 'gpt9' has no architecture entry; supported: bert, llama"):
+    with pytest.raises(ValueError, match=r"model_type 'gpt9' has no architecture entry; supported: bert, .*llama"):
         quantlab.get_method("awq").prepare(model, AWQConfig())
     assert not quant_linears(model)  # failed before touching the model
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..core import formats, packing
 from ..core.activations import DynamicActQuant, StaticActQuant
-from ..core.lifecycle import quant_linears, set_submodule
+from ..core.lifecycle import linearize_conv1d, quant_linears, set_submodule
 from ..core.primitives import n_groups
 from ..core.qlinear import QuantLinear, WeightSpec
 from ..core.registry import config_to_dict
@@ -183,6 +183,7 @@ def load_quantized(path: str | Path, base_model_id: str | None = None, device: s
     config = AutoConfig.for_model(**hf_config)
     with init_empty_weights(include_buffers=False):  # params on meta: nothing allocated until assigned
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    linearize_conv1d(model)  # prepare turned every Conv1D (GPT-2) into nn.Linear before it was saved
     try:
         # read, not mmap: an mmapped file stays resident while any one tensor of it lives, so codes
         # replaced by an export (torchao) would keep their pages in RSS next to the new ones

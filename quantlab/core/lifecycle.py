@@ -18,8 +18,38 @@ from .qlinear import QuantLinear, WeightSpec
 from .registry import LayerSelection, get_method
 
 
+def linearize_conv1d(model: nn.Module) -> list[str]:
+    """Replace every transformers `Conv1D` (GPT-2: weight (in, out), y = x @ W + b) by the nn.Linear computing
+    the same function (weight Wᵀ, made contiguous; bias shared), in place, keeping its name; returns the names.
+
+    Every method, saved file and export then sees a plain linear (weight (out, in)). The float forward stays
+    bitwise equal on CPU fp32 (measured: tests/test_arch_coverage.py): Linear multiplies x by the transpose of
+    a contiguous Wᵀ, the same (in, out) operand Conv1D's addmm reads.
+
+    >>> linearize_conv1d(gpt2)  # ['transformer.h.0.attn.c_attn', ...]
+    """
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # transformers absent: no Conv1D can be in the model
+        return []
+    names = [n for n, m in model.named_modules() if type(m) is Conv1D]
+    for name in names:
+        conv = model.get_submodule(name)
+        weight = conv.weight.detach()
+        linear = nn.Linear(conv.nx, conv.nf, bias=conv.bias is not None, device="meta", dtype=weight.dtype)
+        linear.weight = nn.Parameter(weight.t().contiguous(), requires_grad=conv.weight.requires_grad)
+        linear.bias = conv.bias
+        linear.train(conv.training)
+        set_submodule(model, name, linear)
+    return names
+
+
 def select_linears(model: nn.Module, selection: LayerSelection) -> list[tuple[str, nn.Linear]]:
-    """(name, module) of every nn.Linear whose name passes the include/exclude globs."""
+    """(name, module) of every nn.Linear whose name passes the include/exclude globs.
+
+    Conv1D layers (GPT-2) are first turned into nn.Linear in place (linearize_conv1d), so they are
+    selected, quantized and saved like any linear, under their own names."""
+    linearize_conv1d(model)
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
     chosen = [(n, m) for n, m in linears if selection.matches(n)]
     if not chosen:

@@ -267,11 +267,11 @@ class AWQ(Method):
     version = 2  # 2: reference-exact defaults (module loss, symmetric clip without q/k, float block inputs)
 
     def prepare(self, model, config: AWQConfig) -> None:
-        arch_for(model)  # an unknown model_type fails before the model is touched
+        arch_for(model, "awq")  # an unknown model_type fails before the model is touched
         swap_in_quant_linears(model, config.base.selection, config.base.weight_spec, config.base.overrides)
 
     def calibrate(self, model, config: AWQConfig, batches, progress: bool = True) -> dict:
-        arch = arch_for(model)
+        arch = arch_for(model, "awq")
         batches = list(batches)
         tokens = sum(b.numel() for b in batches)
         if tokens == 0:

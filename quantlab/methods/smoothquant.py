@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ..core.activations import DynamicActQuant, StaticActQuant
-from ..core.lifecycle import quant_linears, run_calibration
+from ..core.lifecycle import linearize_conv1d, quant_linears, run_calibration
 from ..core.observers import SmoothStats, attach_input_observers
 from ..core.qlinear import WeightSpec
 from ..core.registry import (
@@ -122,7 +122,7 @@ def smoothing_groups(model: nn.Module, linear_inputs: bool = False) -> list[tupl
 
     Raises the arch_for error (listing supported model types) for unknown architectures.
     """
-    groups = [g for g in arch_for(model)["groups"] if linear_inputs or g.input_from == "norm"]
+    groups = [g for g in arch_for(model, "smoothquant")["groups"] if linear_inputs or g.input_from == "norm"]
     names = {id(m): n for n, m in model.named_modules()}
     return [
         (f"{names[id(block)]}.{g.consumers[0]}", block, g)
@@ -275,6 +275,7 @@ class SmoothQuant(Method):
 
     def prepare(self, model, config: SmoothQuantConfig) -> None:
         smoothing_groups(model)  # fail before any data is read for unsupported architectures
+        linearize_conv1d(model)  # GPT-2's Conv1D: statistics and folding address nn.Linear columns
 
     def calibrate(self, model, config: SmoothQuantConfig, batches, progress: bool = True) -> dict | None:
         batches = batches if isinstance(batches, (list, tuple)) else list(batches)

@@ -74,6 +74,18 @@ ARCH: dict[str, dict] = {
             ScaleGroup("fc1", ("fc2",), "linear", input_from="linear"),  # ReLU(x / s) = ReLU(x) / s for s > 0
         ),
     },
+    "gpt2": {  # Conv1D layers: nn.Linear by prepare time (core.lifecycle.linearize_conv1d)
+        "blocks": "transformer.h",
+        # c_attn holds q, k and v (rows [q; k; v]): all of it is left unclipped, as llm-awq's auto_clip skips
+        # a fused Wqkv (MPT); its v rows alone feed attn.c_proj, so that scale stays explicit
+        "qk": ("attn.c_attn",),
+        "groups": (
+            ScaleGroup("ln_1", ("attn.c_attn",), inspect="attn"),  # pre-LN: ln_1 feeds only the attention
+            ScaleGroup(None, ("attn.c_proj",), "explicit", input_from="linear"),
+            ScaleGroup("ln_2", ("mlp.c_fc",), inspect="mlp"),
+            ScaleGroup(None, ("mlp.c_proj",), "explicit", input_from="linear"),  # GELU in between: not foldable
+        ),
+    },
     "bert": {
         "blocks": "encoder.layer",
         "qk": ("attention.self.query", "attention.self.key"),
@@ -90,11 +102,17 @@ ARCH: dict[str, dict] = {
 }
 
 
-def arch_for(model: nn.Module) -> dict:
-    """The table entry for model.config.model_type, or an error listing the supported ones."""
+def arch_for(model: nn.Module, needed_by: str | None = None) -> dict:
+    """The table entry for model.config.model_type, or an error naming it, the supported ones and (if given)
+    the method that needs the entry.
+
+    >>> arch_for(model, "awq")["groups"]
+    """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in ARCH:
-        raise ValueError(f"model_type {model_type!r} has no architecture entry; supported: {', '.join(sorted(ARCH))}")
+        who = f"{needed_by}: " if needed_by else ""
+        raise ValueError(f"{who}model_type {model_type!r} has no architecture entry; supported: "
+                         f"{', '.join(sorted(ARCH))} (entries live in ARCH, quantlab/models/arch.py)")
     return ARCH[model_type]
 
 
@@ -107,7 +125,8 @@ def find_blocks(model: nn.Module) -> nn.ModuleList:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in ARCH:
         path = ARCH[model_type]["blocks"]
-        candidates = [path, path.removeprefix("model."), f"{model.base_model_prefix}.{path}"]
+        prefix = f"{model.base_model_prefix}."  # "model." for Llama/OPT, "transformer." for GPT-2
+        candidates = [path, path.removeprefix("model."), path.removeprefix(prefix), prefix + path]
         for candidate in candidates:  # a CausalLM nests the base model; a bare base model does not
             try:
                 return model.get_submodule(candidate)

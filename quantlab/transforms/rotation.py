@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..core.checks import check_choice, check_int
+from ..core.lifecycle import linearize_conv1d
 from ..models.arch import arch_for, find_blocks
 from .hadamard import factor_order, hadamard_matrix, hadamard_transform, random_orthogonal, random_signs
 
@@ -162,6 +163,7 @@ def _rotate_heads(attn: nn.Module, facts: dict, qh: torch.Tensor, n_heads: int, 
 @torch.no_grad()
 def _rotate_online(model: nn.Module, config: RotationConfig) -> dict:
     """scope "online": an online Hadamard on the input of every linear but the output head, folded into W."""
+    linearize_conv1d(model)  # GPT-2's Conv1D layers are rotated (and later quantized) as nn.Linear
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and m is not head]
     if not linears:
