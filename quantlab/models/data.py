@@ -1,4 +1,5 @@
-"""Evaluation and calibration text: WikiText-2 (local files or the hub) or any text file.
+"""Evaluation and calibration text: WikiText-2 (local files or the hub), Python's standard library as source code
+(`pystdlib`, models/pystdlib.py: a second domain every machine has) or any text file.
 
 Protocol (stated in every row): the test split's rows joined with "\\n\\n" (the
 GPTQ-paper string), tokenized once without special tokens (no BOS), cut into
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,7 @@ import torch
 
 from ..core.checks import check_choice, read_utf8
 
-DATASETS = ("wikitext2",)
+DATASETS = ("pystdlib", "wikitext2")
 SPLITS = ("test", "validation")
 JOIN = "\n\n"
 _WIKITEXT_FILES = {"test": "wiki.test.rows.jsonl", "validation": "wiki.valid.tokens"}
@@ -59,7 +61,11 @@ def _hub_text(split: str) -> str:
 
 
 def load_text(dataset: str, split: str, data_dir: str | Path | None = None) -> tuple[str, str]:
-    """(text, source description). dataset is 'wikitext2' or a path to a UTF-8 text file."""
+    """(text, source description). dataset is 'wikitext2', 'pystdlib' or a path to a UTF-8 text file."""
+    if dataset == "pystdlib":
+        from .pystdlib import pystdlib_text
+
+        return pystdlib_text(split)
     if dataset not in DATASETS:
         path = Path(dataset)
         if not path.is_file():
@@ -79,6 +85,39 @@ def load_text(dataset: str, split: str, data_dir: str | Path | None = None) -> t
             raise
         return JOIN.join(rows), f"local:{path.name} rows joined with \\n\\n"
     return read_utf8(path), f"local:{path.name}"
+
+
+def check_dataset(field: str, dataset) -> str:
+    """`dataset` if it is a known dataset or an existing file, else a ValueError naming the known ones."""
+    if not isinstance(dataset, str) or not dataset:
+        raise ValueError(f"{field}: a dataset is a name or a file path, got {dataset!r}")
+    if dataset not in DATASETS and not Path(dataset).is_file():
+        raise ValueError(f"{field}: unknown dataset {dataset!r}; known: {', '.join(DATASETS)} (or the path of a "
+                         "UTF-8 text file)")
+    return dataset
+
+
+def domain_label(dataset: str) -> str:
+    """The name a dataset's columns carry (ppl_<label>): a known dataset's name, a text file's stem with every
+    character other than a letter, digit or _ made _ ("data/my-code.txt" -> "my_code")."""
+    if dataset in DATASETS:
+        return dataset
+    return re.sub(r"\W", "_", Path(dataset).stem, flags=re.ASCII) or "file"
+
+
+def split_counts(total: int, weights) -> list[int]:
+    """`total` windows shared out in proportion to `weights` (largest remainders, ties to the earlier entry).
+
+    >>> split_counts(32, [1, 1]), split_counts(10, [2, 1])
+    ([16, 16], [7, 3])
+    """
+    weights = [float(w) for w in weights]
+    exact = [total * w / sum(weights) for w in weights]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
 
 
 def _tokenizer_fingerprint(tokenizer) -> str:
