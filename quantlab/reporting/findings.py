@@ -9,6 +9,8 @@ from the report's rows, so a rerun rewrites them. `{{` and `}}` are literal brac
                                interval (reporting/stats.py): "-12.3% [-15.1, -9.8]"; for embedding rows
                                (per-sentence `sentence_cos`), the paired Δ mean cosine: "+0.0123 [+0.0101, +0.0145]"
     {A vs B:delta:FORMAT}      ... in FORMAT (default +.1f for Δppl %, +.4f for Δ cosine)
+    {A vs B@DOMAIN}            the same on one domain of `[eval] datasets` (its window_nll_DOMAIN): {a vs b@pystdlib},
+                               {a vs b@pystdlib:verdict}, {a vs b@pystdlib:delta:+.2f}; the domain follows the last @
     {A vs B:verdict}           "lower than" / "higher than" / "not distinguishable from": A's ppl (or mean cosine)
                                against B's, by whether that paired interval lies below 0, above 0, or includes it
     {A vs B:verdict:W1|W2|W3}  the same choice in your own words (lower | higher | not distinguishable)
@@ -20,7 +22,8 @@ from the report's rows, so a rerun rewrites them. `{{` and `}}` are literal brac
 
 RUN is a run name, a seed run ("gptq-w4-g64-seed1") or a seed group ("gptq-w4-g64": the mean over its
 seeds, with `<metric>_std` and `n_seeds`). COLUMN is any CSV column (ppl, ppl_delta_pct, kl_mean,
-cos_mean, weight_mib, calibrate_s, ...) or `ppl_ci` / `ppl_delta_ci` (the intervals as "[low, high]").
+cos_mean, weight_mib, calibrate_s, ppl_pystdlib, ...) or an interval as "[low, high]": `ppl_ci` / `ppl_delta_ci`,
+and per domain `ppl_DOMAIN_ci` / `ppl_DOMAIN_delta_ci`.
 W1|W2|W3 are any three phrases, used when A's value is lower / higher / the same (or not distinguishable).
 A placeholder sits on one line. Run names are checked when the experiment loads (before any model), columns
 when the report is written; a run that has no row yet (failed, not run) leaves the section with a note.
@@ -59,6 +62,7 @@ class Placeholder:
     column: str | None = None
     fmt: str | None = None
     words: tuple[str, str, str] | None = None  # lower, higher, same
+    domain: str | None = None  # "A vs B@DOMAIN": the paired interval on that domain's windows
 
     def runs(self) -> list[str]:
         return [self.run] + ([self.other] if self.other else [])
@@ -89,13 +93,18 @@ def _placeholder(inner: str) -> Placeholder:
         a, rest = inner.split(" vs ", 1)
         b, _, spec = rest.partition(":")
         field, _, arg = spec.partition(":")
-        a, b, field, arg = a.strip(), b.strip(), field.strip() or "delta", arg.strip()
-        if not a or not b:
-            raise FindingsError(f"{where}: write a comparison as {{RUN vs OTHER}}")
+        head, at, tail = b.rpartition("@")  # "OTHER@DOMAIN"; a run name may hold an @ too: the last one counts
+        b, domain = (head, tail) if at else (tail, "")
+        a, b, field, arg, domain = a.strip(), b.strip(), field.strip() or "delta", arg.strip(), domain.strip() or None
+        if not a or not b or (at and not domain):
+            raise FindingsError(f"{where}: write a comparison as {{RUN vs OTHER}} or {{RUN vs OTHER@DOMAIN}}")
+        if domain and field not in ("delta", "verdict"):
+            raise FindingsError(f"{where}: @{domain} goes with the paired interval (delta, verdict); for a column "
+                                f"name the domain's own, e.g. ppl_{domain}")
         if field == "delta":
-            return Placeholder(inner, a, "delta", b, fmt=_check_format(arg, where) if arg else None)
+            return Placeholder(inner, a, "delta", b, fmt=_check_format(arg, where) if arg else None, domain=domain)
         if field == "verdict":
-            return Placeholder(inner, a, "verdict", b, words=_words(arg, VERDICT_WORDS, where))
+            return Placeholder(inner, a, "verdict", b, words=_words(arg, VERDICT_WORDS, where), domain=domain)
         if arg and "|" not in arg:
             return Placeholder(inner, a, "relative", b, column=field, fmt=_check_format(arg, where))
         return Placeholder(inner, a, "compare", b, column=field, words=_words(arg, COMPARE_WORDS, where))
@@ -138,6 +147,15 @@ def check_runs(template: str, known, where: str = "findings") -> None:
                                     f"known: {', '.join(sorted(known))}")
 
 
+def check_domains(template: str, known, where: str = "findings") -> None:
+    """Raise unless every @DOMAIN of a template is one of `known` (the domain labels of [eval] datasets)."""
+    known = list(known)
+    for p in parse(template):
+        if isinstance(p, Placeholder) and p.domain is not None and p.domain not in known:
+            raise FindingsError(f"{where}: placeholder {{{p.text}}} names unknown domain {p.domain!r}; known: "
+                                f"{', '.join(known) or 'none (set [eval] datasets to evaluate several domains)'}")
+
+
 def _missing(value) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
@@ -161,10 +179,20 @@ def _value(row: dict, name: str, column: str, p: Placeholder) -> object:
     return row[column]
 
 
+def _interval_column(column: str, row: dict) -> tuple[str, str, str] | None:
+    """(low, high, default format) of an interval column: ppl_ci, ppl_delta_ci, ppl_<domain>_ci, ..."""
+    if column in INTERVAL_COLUMNS:
+        return INTERVAL_COLUMNS[column]
+    if column.endswith("_ci") and f"{column}_low" in row:
+        return f"{column}_low", f"{column}_high", "+.2f" if column.endswith("_delta_ci") else ".2f"
+    return None
+
+
 def _render_value(p: Placeholder, rows: dict, formats: dict) -> str:
     row = rows[p.run]
-    if p.column in INTERVAL_COLUMNS:
-        low, high, default = INTERVAL_COLUMNS[p.column]
+    interval = _interval_column(p.column, row)
+    if interval:
+        low, high, default = interval
         lo, hi = row.get(low), row.get(high)
         if _missing(lo) or _missing(hi):
             return "–"
@@ -186,6 +214,13 @@ def _paired_data(rows: dict, name: str, p: Placeholder) -> tuple[str, tuple]:
         seeds = [n for n, r in rows.items() if r.get("run_group") == name and n != name]
         raise FindingsError(f"findings placeholder {{{p.text}}}: {name!r} is the mean of {int(n_seeds)} seeds; a "
                             f"paired interval needs one run's windows: compare a seed's run ({', '.join(seeds)})")
+    if p.domain is not None:
+        nll, tokens = row.get(f"window_nll_{p.domain}"), row.get(f"window_tokens_{p.domain}")
+        if isinstance(nll, str) and isinstance(tokens, str):
+            return "ppl", (json.loads(nll), json.loads(tokens))
+        stored = json.loads(row["eval_domains"]) if isinstance(row.get("eval_domains"), str) else []
+        raise FindingsError(f"findings placeholder {{{p.text}}}: run {name!r} was not evaluated on domain "
+                            f"{p.domain!r}; its domains: {', '.join(stored) or 'none ([eval] datasets not set)'}")
     nll, tokens = row.get("window_nll"), row.get("window_tokens")
     if isinstance(nll, str) and isinstance(tokens, str):
         return "ppl", (json.loads(nll), json.loads(tokens))

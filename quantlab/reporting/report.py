@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from . import domains
 from . import findings as findings_mod
 from . import stats
 
@@ -160,10 +161,11 @@ def summarize_seeds(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame | None
         for c in df.columns:
             if pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c]):
                 row[c] = g[c].mean()
-        for m in SEED_METRICS:
+        for m in SEED_METRICS + sorted(domains.lower_is_better(df)):
             if m in g:
                 row[f"{m}_std"] = stats.mean_std(g[m])[1]
-        for c in ("ppl_ci_low", "ppl_ci_high", "ppl_delta_ci_low", "ppl_delta_ci_high", "ppl_delta_excludes_zero"):
+        for c in ("ppl_ci_low", "ppl_ci_high", "ppl_delta_ci_low", "ppl_delta_ci_high", "ppl_delta_excludes_zero",
+                  *domains.interval_columns(df)):
             if c in row:  # window intervals belong to single runs; the seed spread is the ± std
                 row[c] = None
         row["run"], row["n_seeds"], row["seed"] = group, len(g), ", ".join(str(s) for s in g["seed"])
@@ -179,12 +181,12 @@ def _interval(row, low: str, high: str, fmt: str) -> str | None:
 
 
 def _cell(row, col: str, fmt: str) -> str:
-    if col == "ppl_ci":
-        return _interval(row, "ppl_ci_low", "ppl_ci_high", "{:.2f}") or "–"
-    if col == "ppl_delta_ci":
-        text = _interval(row, "ppl_delta_ci_low", "ppl_delta_ci_high", "{:+.2f}")
-        excludes = row.get("ppl_delta_excludes_zero")  # True, numpy True (via a DataFrame), None or NaN
+    if col.endswith("_delta_ci"):  # ppl_delta_ci, ppl_<domain>_delta_ci
+        text = _interval(row, f"{col}_low", f"{col}_high", "{:+.2f}")
+        excludes = row.get(f"{col[:-3]}_excludes_zero")  # True, numpy True (via a DataFrame), None or NaN
         return "–" if text is None else text + (" ✓" if excludes is not None and excludes == True else "")  # noqa: E712
+    if col.endswith("_ci"):  # ppl_ci, ppl_<domain>_ci
+        return _interval(row, f"{col}_low", f"{col}_high", "{:.2f}") or "–"
     text = _fmt(row[col], fmt)
     std = row.get(f"{col}_std")
     if std is not None and std == std and text != "–":
@@ -193,18 +195,19 @@ def _cell(row, col: str, fmt: str) -> str:
 
 
 def _shown(df: pd.DataFrame, col: str) -> bool:
-    source = {"ppl_ci": "ppl_ci_low", "ppl_delta_ci": "ppl_delta_ci_low"}.get(col, col)
+    source = f"{col}_low" if col.endswith("_ci") else col  # ppl_ci, ppl_delta_ci, ppl_<domain>_ci, ...
     return source in df.columns and df[source].notna().any()
 
 
 def _best(df: pd.DataFrame, col: str, fmt: str) -> str | None:
     """The formatted best value of a column among the non-baseline rows (ties all count)."""
-    if col not in LOWER_IS_BETTER | HIGHER_IS_BETTER:
+    lower = LOWER_IS_BETTER | domains.lower_is_better(df)
+    if col not in lower | HIGHER_IS_BETTER:
         return None
     values = pd.to_numeric(df.loc[df["method"] != "none", col], errors="coerce").dropna()
     if values.empty:
         return None
-    return _fmt(values.min() if col in LOWER_IS_BETTER else values.max(), fmt)
+    return _fmt(values.min() if col in lower else values.max(), fmt)
 
 
 def markdown_table(df: pd.DataFrame, columns=TABLE_COLUMNS, mark_best: bool = False) -> str:
@@ -259,7 +262,7 @@ def protocol_text(df: pd.DataFrame) -> str:
     if "prefill_tokens" in df and pd.notna(r.get("prefill_tokens")):
         text += (f" Latency: prefill {int(r['prefill_tokens'])} tokens, greedy decode {int(r['decode_tokens'])} "
                  f"tokens, batch {int(r['batch_size'])}, median of {int(r['latency_repeats'])} repeats after warm-up.")
-    return text + _memory_text(df) + _calibration_text(df)
+    return text + domains.protocol_text(df) + _memory_text(df) + _calibration_text(df)
 
 
 def _memory_text(df: pd.DataFrame) -> str:
@@ -286,9 +289,17 @@ def drop_lifetime_peaks(df: pd.DataFrame) -> pd.DataFrame:
 def _calibration_text(df: pd.DataFrame) -> str:
     if "calib_samples" not in df or df["calib_samples"].isna().all():
         return ""
-    r = df[df["calib_samples"].notna()].iloc[0]
-    return (f" Calibration (methods that use data): {int(r['calib_samples'])} windows of {int(r['calib_seq_len'])} "
+    rows = df[df["calib_samples"].notna()]
+    r = rows.iloc[0]
+    text = (f" Calibration (methods that use data): {int(r['calib_samples'])} windows of {int(r['calib_seq_len'])} "
             f"tokens at seeded random offsets of {r['calib_source']} (never the test split).")
+    others = rows.drop_duplicates(["calib_samples", "calib_seq_len", "calib_source"]).iloc[1:]
+    for _, o in others.iterrows():  # runs with their own calibration = {...}
+        names = rows.loc[(rows["calib_samples"] == o["calib_samples"]) & (rows["calib_seq_len"] == o["calib_seq_len"])
+                         & (rows["calib_source"] == o["calib_source"]), "run"]
+        text += (f" {', '.join(names)}: {int(o['calib_samples'])} windows of {int(o['calib_seq_len'])} tokens of "
+                 f"{o['calib_source']}.")
+    return text
 
 
 def environment_text(df: pd.DataFrame) -> str:
@@ -350,17 +361,19 @@ def write_report(name: str, rows: list[dict], reports_dir: str | Path, descripti
     df = pd.DataFrame(rows)
     if "config" in df:  # derived from the stored config, so older rows get the current wording too
         df["scheme"] = [scheme(json.loads(c), d) for c, d in zip(df["config"], df["dtype"])]
-    df = add_intervals(add_ratios(drop_lifetime_peaks(df)))
+    df = domains.add_domain_columns(add_intervals(add_ratios(drop_lifetime_peaks(df))))
     summary, per_seed = summarize_seeds(df)
-    formats = {c: f for c, _, f in TABLE_COLUMNS}
+    at = [c for c, _, _ in TABLE_COLUMNS].index("ppl_delta_ci") + 1  # other domains' columns follow the main ppl's
+    columns = TABLE_COLUMNS[:at] + domains.table_columns(df) + TABLE_COLUMNS[at:]
+    formats = {c: f for c, _, f in columns}
     findings_text = findings_mod.findings_section(findings, df, summary, formats)  # raises before writing
     reports_dir.mkdir(parents=True, exist_ok=True)
     df.to_csv(reports_dir / f"{name}.csv", index=False)
     legend = "**Bold**: the best value of a column among the quantized runs (the baseline excluded)."
     seeds = "" if per_seed is None else (
         "**Seeds.** Rows with ± are the mean ± sample std over calibration seeds (seeds draw the calibration "
-        "windows); each seed's run:\n\n" + markdown_table(per_seed))
-    parts = [f"# {name}", description.strip(), legend + "\n\n" + markdown_table(summary, mark_best=True), seeds,
+        "windows); each seed's run:\n\n" + markdown_table(per_seed, columns))
+    parts = [f"# {name}", description.strip(), legend + "\n\n" + markdown_table(summary, columns, mark_best=True), seeds,
              findings_text, plots_text(name, summary, reports_dir), protocol_text(df), intervals_text(df),
              backend_text(df), environment_text(df)]
     (reports_dir / f"{name}.md").write_text("\n\n".join(p for p in parts if p) + "\n")
