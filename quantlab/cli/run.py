@@ -39,13 +39,16 @@ def _dry_run(exp, reports_dir) -> int:
     for p in plan:
         work = "train" if p["trains"] else ("calibrate" if p["calibrates"] else "")
         est = "" if p["est_s"] is None else f"~{p['est_s']:.0f} s"
-        print(f"{p['run']:{width}s}  {p['scheme']:36s} {work:9s} {'done' if p['done'] else 'pending':7s} {est}")
+        print(f"{p['run']:{width}s}  {p['scheme']:36s} {work:9s} {'done' if p['done'] else 'pending':7s} {est}"
+              + (f"  ({p['calibration']})" if p.get("calibration") else ""))
     pending = [p for p in plan if not p["done"]]
     known = [p["est_s"] for p in pending if p["est_s"] is not None]
     print(f"{len(plan)} runs: {len(plan) - len(pending)} done, {len(pending)} pending "
           f"({sum(p['calibrates'] for p in pending)} calibrate, {sum(p['trains'] for p in pending)} train)"
           + (f"; ~{sum(known) / 60:.0f} min for the {len(known)} with timed rows of their method in "
              f"{reports_dir}/{exp.name}.results.jsonl" if known else ""))
+    if exp.eval.datasets:
+        print(f"each run evaluated on {', '.join(exp.eval.datasets)} ({exp.eval.split})")
     return 0
 
 

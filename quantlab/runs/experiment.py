@@ -24,7 +24,8 @@ from typing import Any
 
 from ..core.checks import check_dtype, check_int, check_name, utf8_error
 from ..core.registry import config_to_dict, get_method, make_config
-from ..reporting.findings import check_runs
+from ..models.data import check_dataset, domain_label
+from ..reporting.findings import check_domains, check_runs
 from .sweep import expand_sweep
 
 
@@ -45,6 +46,9 @@ class EvalProtocol:
 
     metric: str = "perplexity"  # "perplexity" (causal LMs) | "embedding" (encoders: cosine vs float)
     dataset: str = "wikitext2"
+    # several domains in one pass: every run is evaluated on each (ppl_<domain>, window_nll_<domain>, ...); the
+    # first is `dataset` (the ppl, KL and latency columns). None: `dataset` alone, no per-domain columns
+    datasets: tuple[str, ...] | None = None
     split: str = "test"
     seq_len: int = 2048
     max_windows: int | None = None  # None: the whole split
@@ -76,6 +80,18 @@ class EvalProtocol:
         for name in ("prefill_tokens", "decode_tokens", "latency_repeats"):
             check_int(f"eval.{name}", getattr(self, name), 1)
         check_int("eval.kl_windows", self.kl_windows, 0)
+        if self.datasets is not None:
+            object.__setattr__(self, "datasets", _check_datasets("eval.datasets", self.datasets))
+            if self.metric != "perplexity":
+                raise ValueError(f"eval.datasets applies to metric = 'perplexity', got metric {self.metric!r}")
+            if self.dataset not in ("wikitext2", self.datasets[0]):  # the default, or said twice
+                raise ValueError(f"eval.dataset {self.dataset!r} and eval.datasets {list(self.datasets)} disagree: "
+                                 "the first of datasets is the main one; drop dataset")
+            object.__setattr__(self, "dataset", self.datasets[0])
+
+    def domains(self) -> tuple[str, ...]:
+        """The datasets every run is evaluated on, the main one first."""
+        return self.datasets if self.datasets is not None else (self.dataset,)
 
     def unbounded(self) -> EvalProtocol:
         return dataclasses.replace(self, max_windows=None, max_tokens=None)
@@ -89,12 +105,49 @@ class CalibrationProtocol:
     split: str = "validation"
     num_samples: int = 128
     seq_len: int = 512
+    # mixed-domain calibration: num_samples windows shared among these (the `split` of each: pystdlib's
+    # "validation" is its calibration part), in proportion to `mix` (default equal shares); None: `dataset`
+    datasets: tuple[str, ...] | None = None
+    mix: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.split == "test":
             raise ValueError("calibration.split = 'test' is not allowed: never calibrate on the evaluation split")
         check_int("calibration.num_samples", self.num_samples, 1)
         check_int("calibration.seq_len", self.seq_len, 1)
+        if self.datasets is not None:
+            object.__setattr__(self, "datasets", _check_datasets("calibration.datasets", self.datasets))
+            if self.dataset not in ("wikitext2", self.datasets[0]):
+                raise ValueError(f"calibration.dataset {self.dataset!r} and calibration.datasets "
+                                 f"{list(self.datasets)} disagree: drop dataset")
+            object.__setattr__(self, "dataset", self.datasets[0])
+        if self.mix is not None:
+            mix = self.mix
+            if (not isinstance(mix, (list, tuple)) or len(mix) != len(self.domains())
+                    or any(isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 for w in mix)):
+                raise ValueError(f"calibration.mix must be one positive weight per dataset of calibration.datasets "
+                                 f"({len(self.domains())}), got {mix!r}")
+            object.__setattr__(self, "mix", tuple(mix))
+        if self.num_samples < len(self.domains()):
+            raise ValueError(f"calibration.num_samples = {self.num_samples} cannot give each of "
+                             f"{len(self.domains())} datasets a window")
+
+    def domains(self) -> tuple[str, ...]:
+        return self.datasets if self.datasets is not None else (self.dataset,)
+
+
+def _check_datasets(field: str, datasets) -> tuple[str, ...]:
+    """A non-empty list of known datasets (or text files) whose column names (domain_label) differ."""
+    if isinstance(datasets, str) or not isinstance(datasets, (list, tuple)) or not datasets:
+        raise ValueError(f"{field} must be a non-empty list of datasets, e.g. [\"wikitext2\", \"pystdlib\"], "
+                         f"got {datasets!r}")
+    for d in datasets:
+        check_dataset(field, d)
+    labels = [domain_label(d) for d in datasets]
+    dupes = sorted({x for x in labels if labels.count(x) > 1})
+    if dupes:
+        raise ValueError(f"{field}: {', '.join(dupes)} named twice (a file is named by its stem)")
+    return tuple(datasets)
 
 
 @dataclass(frozen=True)
@@ -127,12 +180,16 @@ class RunSpec:
     backend: str = "simulated"  # "simulated" | "torchao" | "auto": export to real kernels before evaluating
     rotation: Any = None  # a RotationConfig (or its table): rotate the float model before quantizing
     kv_cache: Any = None  # a KVCacheConfig (or its table): quantize the keys and values attention uses
+    calibration: Any = None  # a CalibrationProtocol: this run's own (a `calibration = {...}` table); None: the file's
 
     def __post_init__(self):
         from ..backends import check_backend
 
         check_name("run name", self.name)  # run names may reach paths (reports, checkpoints)
         check_backend(self.backend)
+        if self.calibration is not None and not _depends_on_seed(self.config):
+            raise ValueError(f"calibration = {{...}} applies to runs that calibrate or train; "
+                             f"{get_method(self.config).name} here does neither")
         if isinstance(self.rotation, dict):
             object.__setattr__(self, "rotation", _table_config("rotation", self.rotation))
         if isinstance(self.kv_cache, dict):
@@ -249,19 +306,35 @@ def _expand_seeds(run: RunSpec, run_seeds, exp_seeds) -> list[RunSpec]:
     return [dataclasses.replace(run, name=f"{run.name}-seed{s}", seed=s, group=run.name) for s in seeds]
 
 
-def _parse_runs(tables: list, exp_seeds, where: str) -> tuple[RunSpec, ...]:
+def _parse_runs(tables: list, exp_seeds, where: str, calib_table: dict | None = None) -> tuple[RunSpec, ...]:
     """[[run]] tables -> RunSpecs, a run's `seeds` key (or the experiment's) expanding it per seed."""
     runs = []
     for i, table in enumerate(tables):
         table = dict(table)
         seeds = table.pop("seeds", None)
-        run = _parse_run(i, table, where)
+        run = _parse_run(i, table, where, calib_table)
         seeds = None if seeds is None else _check_seeds(seeds, f"{where}: run {run.name!r}")
         runs.extend(_expand_seeds(run, seeds, exp_seeds))
     return tuple(runs)
 
 
-def _parse_run(i: int, table: dict, where: str) -> RunSpec:
+def _run_calibration(value, calib_table: dict | None):
+    """A run's `calibration = {...}`: the experiment's [calibration] with these fields replaced."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"calibration must be a table, e.g. calibration = {{ num_samples = 128 }}, got {value!r}")
+    _check_keys(value, CalibrationProtocol, "calibration")
+    base = dict(calib_table or {})
+    if "datasets" in value and "dataset" not in value:  # the run's datasets replace the file's dataset too
+        base.pop("dataset", None)
+    if "dataset" in value and "datasets" not in value:
+        base.pop("datasets", None)
+        base.pop("mix", None)
+    return CalibrationProtocol(**(base | value))
+
+
+def _parse_run(i: int, table: dict, where: str, calib_table: dict | None = None) -> RunSpec:
     table = dict(table)
     name = table.pop("name", None)
     if not isinstance(name, str) or not name:
@@ -272,11 +345,13 @@ def _parse_run(i: int, table: dict, where: str) -> RunSpec:
         raise ValueError(f"{where}: [[run]] #{i + 1}: {e}") from None
     backend = table.pop("backend", "simulated")
     rotation, kv_cache = table.pop("rotation", None), table.pop("kv_cache", None)
+    calibration = table.pop("calibration", None)
     try:
         for field, value in (("rotation", rotation), ("kv_cache", kv_cache)):
             if value is not None and not isinstance(value, dict):
                 raise ValueError(f"{field} must be a table, e.g. {field} = {{...}}, got {value!r}")
-        return RunSpec(name, make_config(table), backend=backend, rotation=rotation, kv_cache=kv_cache)
+        return RunSpec(name, make_config(table), backend=backend, rotation=rotation, kv_cache=kv_cache,
+                       calibration=_run_calibration(calibration, calib_table))
     except (ValueError, KeyError, TypeError) as e:
         msg = e.args[0] if e.args else str(e)
         raise ValueError(f"{where}: run {name!r}: {msg}") from None
@@ -307,9 +382,10 @@ def parse_experiment(data: dict, where: str = "experiment", default_name: str = 
     for i, sweep in enumerate(data.pop("sweep", [])):
         expanded = expand_sweep(sweep, f"{where}: [[sweep]] #{i + 1}")
         for j, table in enumerate(expanded):  # errors name the sweep, not only the derived run name
-            _parse_run(j, {k: v for k, v in table.items() if k != "seeds"}, f"{where}: [[sweep]] #{i + 1}")
+            _parse_run(j, {k: v for k, v in table.items() if k != "seeds"}, f"{where}: [[sweep]] #{i + 1}",
+                       calib_table)
         tables += expanded
-    runs = _parse_runs(tables, exp_seeds, where)
+    runs = _parse_runs(tables, exp_seeds, where, calib_table)
     names = [t.get("name") for t in tables]
     dupes = sorted({n for n in names if names.count(n) > 1 and n is not None})
     if dupes:
@@ -326,6 +402,7 @@ def parse_experiment(data: dict, where: str = "experiment", default_name: str = 
     # every run a findings placeholder names must be a run (or seed group) of the file; checked here, not in
     # Experiment, so that a subset of the runs (dataclasses.replace) still reports, noting what it lacks
     check_runs(exp.findings, [r.name for r in runs] + [r.group for r in runs if r.group], f"{where}: findings")
+    check_domains(exp.findings, [domain_label(d) for d in exp.eval.datasets or ()], f"{where}: findings")
     return exp
 
 

@@ -24,7 +24,8 @@ from ..eval.embedding import embedding_fidelity, layer_output_errors, mean_poole
 from ..eval.memprobe import isolated_run_memory
 from ..eval.perplexity import KL_REFERENCE_ON_THE_FLY
 from ..kvcache import apply_kv_quant, kv_describe
-from ..models.data import calibration_windows, eval_windows, load_text, load_token_ids, tokenize
+from ..models.data import (calibration_windows, domain_label, eval_windows, load_text, load_token_ids, split_counts,
+                           tokenize)
 from ..models.loading import default_cache_dir, load_model, model_info, resolve_device
 from ..reporting.report import scheme, write_report
 from ..transforms.rotation import rotate_model
@@ -45,7 +46,8 @@ def run_key(exp: Experiment, run: RunSpec, device: torch.device) -> str:
                 **{k: getattr(run, k).to_dict() for k in ("rotation", "kv_cache") if getattr(run, k) is not None}},
         "model": exp.model, "dtype": exp.dtype, "seed": exp.seed, "device": device.type,
         "eval": non_default_fields(exp.eval),
-        "calibration": non_default_fields(exp.calibration) if needs_calib else None,
+        # a run's own calibration = {...} counts as what it is: the same protocol as the file's, the same key
+        "calibration": non_default_fields(run.calibration or exp.calibration) if needs_calib else None,
     }
     versions = method_versions(run.config)
     if versions:  # a method whose default behaviour changed: rows of the old one are not reused
@@ -82,8 +84,15 @@ class _Context:
             # KL reference: ctx.model runs on each KL window right before the evaluated model (perplexity());
             # nothing is stored, so memory does not grow with kl_windows (stored log-probs: T x V x 4 B each)
             self.kl_windows = min(e.kl_windows, len(self.windows))
+            # [eval] datasets: {label: (windows, source)} of every domain, the main one (above) first
+            self.domains = {}
+            for d in e.datasets or ():
+                ids, source = (self.eval_ids, self.eval_source) if d == e.dataset else load_token_ids(
+                    d, e.split, self.tokenizer, data_dir, cache_dir)
+                windows = self.windows if d == e.dataset else eval_windows(ids, e.seq_len, e.max_windows, e.max_tokens)
+                self.domains[domain_label(d)] = (windows, source)
         self._reference_state = self._model_state()
-        self._calib = None
+        self._calib, self._calib_ids, self.calib_sources = {}, {}, {}
 
     def _model_state(self) -> tuple:
         """In-place changes bump a tensor's version: the float model (the KL reference) must stay as loaded."""
@@ -98,24 +107,53 @@ class _Context:
         if self.max_positions and length > self.max_positions:
             raise ValueError(f"{what} length {length} exceeds the model's max positions ({self.max_positions})")
 
-    def calibration(self, seed: int | None = None) -> torch.Tensor:
-        """Calibration windows drawn with `seed` (default: the experiment's), cached per seed."""
+    def calibration(self, seed: int | None = None, protocol=None) -> torch.Tensor:
+        """Calibration windows of `protocol` (default: the experiment's) drawn with `seed` (default: the
+        experiment's), cached per (protocol, seed). Several datasets: each gives its share of num_samples
+        (split_counts by `mix`), drawn with the same seed from its own text, concatenated in the listed order."""
         seed = self.exp.seed if seed is None else seed
-        if self._calib is None:
-            c = self.exp.calibration
+        c = protocol or self.exp.calibration
+        if (c, seed) not in self._calib:
             self._check_length("calibration.seq_len", c.seq_len)
-            self._calib_ids, self.calib_source = load_token_ids(c.dataset, c.split, self.tokenizer, self.data_dir,
-                                                                self.cache_dir)
-            self._calib = {}
-        if seed not in self._calib:
-            c = self.exp.calibration
-            self._calib[seed] = calibration_windows(self._calib_ids, c.num_samples, c.seq_len, seed)
-        return self._calib[seed]
+            counts = split_counts(c.num_samples, c.mix or [1] * len(c.domains()))
+            parts, sources = [], []
+            for d, n in zip(c.domains(), counts):
+                if (d, c.split) not in self._calib_ids:
+                    self._calib_ids[d, c.split] = load_token_ids(d, c.split, self.tokenizer, self.data_dir,
+                                                                 self.cache_dir)
+                ids, source = self._calib_ids[d, c.split]
+                parts.append(calibration_windows(ids, n, c.seq_len, seed))
+                sources.append(source if c.datasets is None else f"{domain_label(d)} ({n} windows): {source}")
+            self._calib[c, seed] = torch.cat(parts)
+            self.calib_sources[c] = "; ".join(sources)
+        return self._calib[c, seed]
+
+
+def _domain_metrics(ctx: _Context, model, main: dict) -> dict:
+    """[eval] datasets: each domain's ppl, KL and per-window NLL under its own suffix (ppl_pystdlib, ...); the main
+    domain's numbers are `main`'s (measured once). Each domain is measured as a single-domain run would be."""
+    out, reference_s = {"eval_domains": json.dumps(list(ctx.domains))}, 0.0
+    for label, (windows, source) in ctx.domains.items():
+        if windows is ctx.windows:
+            ppl = main
+        else:
+            kl = min(ctx.exp.eval.kl_windows, len(windows))
+            ppl = perplexity(model, windows, ctx.model if kl else None, ctx.progress, kl_windows=kl if kl else None)
+            reference_s += ppl.get("kl_reference_s") or 0.0
+        out.update({f"ppl_{label}": ppl["ppl"], f"nll_mean_{label}": ppl["nll_mean"],
+                    f"kl_mean_{label}": ppl.get("kl_mean"), f"top1_agree_{label}": ppl.get("top1_agree"),
+                    f"eval_windows_{label}": len(windows), f"eval_tokens_{label}": windows.numel(),
+                    f"eval_source_{label}": source, f"window_nll_{label}": json.dumps(ppl["window_nll"]),
+                    f"window_tokens_{label}": json.dumps([windows.shape[1] - 1] * len(windows))})
+    return out | {"domains_kl_reference_s": reference_s}
 
 
 def _perplexity_metrics(ctx: _Context, model) -> dict:
     reference = ctx.model if ctx.kl_windows else None
     ppl = perplexity(model, ctx.windows, reference, ctx.progress, kl_windows=ctx.kl_windows if reference else None)
+    domains = _domain_metrics(ctx, model, ppl) if ctx.domains else {}
+    if domains:  # eval_s excludes every domain's reference time
+        ppl["kl_reference_s"] = (ppl.get("kl_reference_s") or 0.0) + domains.pop("domains_kl_reference_s")
     return {"ppl": ppl["ppl"], "nll_mean": ppl["nll_mean"], "kl_mean": ppl.get("kl_mean"),
             "top1_agree": ppl.get("top1_agree"), "kl_tokens": ppl.get("kl_tokens", 0),
             "kl_reference": KL_REFERENCE_ON_THE_FLY if reference else None, "kl_reference_s": ppl.get("kl_reference_s"),
@@ -124,7 +162,7 @@ def _perplexity_metrics(ctx: _Context, model) -> dict:
             "eval_tokens": ctx.windows.numel(), "seq_len": ctx.exp.eval.seq_len,
             # per-window NLL sums and predicted tokens: bootstrap intervals are computed from stored rows
             "window_nll": json.dumps(ppl["window_nll"]),
-            "window_tokens": json.dumps([ctx.windows.shape[1] - 1] * len(ctx.windows))}
+            "window_tokens": json.dumps([ctx.windows.shape[1] - 1] * len(ctx.windows))} | domains
 
 
 def _embedding_metrics(ctx: _Context, model) -> dict:
@@ -159,7 +197,8 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
     method = get_method(run.config)
     needs_calib = method.needs_calibration_for(run.config)
     needs_train = method.needs_training_for(run.config)
-    calib = [w.unsqueeze(0) for w in ctx.calibration(seed)] if needs_calib or needs_train else None
+    calib_protocol = run.calibration or exp.calibration
+    calib = [w.unsqueeze(0) for w in ctx.calibration(seed, calib_protocol)] if needs_calib or needs_train else None
     checkpoints = Path(ctx.cache_dir or default_cache_dir()) / "checkpoints" / run_key(exp, run, ctx.device)
     rotated = {}
     if run.rotation is not None:  # before calibration: GPTQ / static ranges see the rotated activations
@@ -195,8 +234,8 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
     if run.kv_cache is not None:
         row["kv_cache"] = kv_describe(run.kv_cache)
     if needs_calib or needs_train:
-        c = exp.calibration
-        row.update(calib_source=ctx.calib_source, calib_samples=c.num_samples, calib_seq_len=c.seq_len)
+        c = calib_protocol
+        row.update(calib_source=ctx.calib_sources[c], calib_samples=c.num_samples, calib_seq_len=c.seq_len)
     del model
     if needs_train and checkpoints.exists():  # the row is about to be saved: the run will not resume
         shutil.rmtree(checkpoints)
@@ -240,6 +279,14 @@ def _run_pending(exp: Experiment, pending: list[RunSpec], results: Path, device,
     return failures
 
 
+def _calibration_note(own, default) -> str:
+    """A run's own calibration, in words, for --dry-run ("" for the file's)."""
+    if own is None or own == default:
+        return ""
+    mix = f" mixed {':'.join(f'{w:g}' for w in own.mix)}" if own.mix else ""
+    return f"calibration: {own.num_samples} x {own.seq_len} {' + '.join(own.domains())}{mix} {own.split}"
+
+
 def plan_experiment(exp: Experiment, reports_dir: str | Path = "reports") -> list[dict]:
     """What `quantlab run` would do, loading no model: one dict per run (name, method, scheme, calibrates,
     trains, done) and est_s, the median seconds of this method's finished rows in the results file (if any)."""
@@ -260,7 +307,8 @@ def plan_experiment(exp: Experiment, reports_dir: str | Path = "reports") -> lis
                      "calibrates": method.needs_calibration_for(run.config),
                      "trains": method.needs_training_for(run.config), "backend": run.backend,
                      "done": run_key(exp, run, device) in done,
-                     "est_s": times[len(times) // 2] if times else None})
+                     "est_s": times[len(times) // 2] if times else None,
+                     "calibration": _calibration_note(run.calibration, exp.calibration)})
     return plan
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-LIST_FIELDS = ("include", "exclude", "overrides", "clip_ratios")  # take a list as one value
+LIST_FIELDS = ("include", "exclude", "overrides", "clip_ratios", "datasets", "mix")  # take a list as one value
 ABBREVIATIONS = {"bits": "w", "group_size": "g", "act_bits": "a"}
 BOOL_LABELS = {"symmetric": ("sym", "asym"), "act_symmetric": ("act-sym", "act-asym")}  # (true, false)
 
