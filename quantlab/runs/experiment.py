@@ -63,8 +63,15 @@ class EvalProtocol:
     # "none": no per-run CPU memory column (an in-process peak covers the whole process's life);
     # "isolated": each run's peak RSS of one seq_len forward, in a fresh process (eval/memprobe.py)
     memory: str = "none"
+    # lm-evaluation-harness tasks run on each run's model as it is in memory (eval/lmeval.py), adding columns
+    # lmeval_<task>_<metric> and _stderr; "wikitext_local" runs offline, lm-eval's own tasks need their data set
+    lm_eval_tasks: tuple[str, ...] = ()
+    lm_eval_limit: int | None = None  # the first N documents of each task; None: all (--full drops it)
+    lm_eval_max_length: int | None = None  # rolling-window tokens; None: the model's max positions (lm-eval's)
+    lm_eval_batch_size: int = 1
 
     def __post_init__(self):
+        _check_lm_eval(self)
         if self.metric not in ("perplexity", "embedding"):
             raise ValueError(f"eval.metric {self.metric!r} unknown; known: perplexity, embedding")
         if self.memory not in MEMORY_MODES:
@@ -94,7 +101,24 @@ class EvalProtocol:
         return self.datasets if self.datasets is not None else (self.dataset,)
 
     def unbounded(self) -> EvalProtocol:
-        return dataclasses.replace(self, max_windows=None, max_tokens=None)
+        return dataclasses.replace(self, max_windows=None, max_tokens=None, lm_eval_limit=None)
+
+
+def _check_lm_eval(e: EvalProtocol) -> None:
+    """[eval] lm_eval_*: task names as a tuple of distinct strings, for causal LMs; counts are positive."""
+    tasks = e.lm_eval_tasks
+    if isinstance(tasks, str) or not isinstance(tasks, (list, tuple)) or not all(
+            isinstance(t, str) and t for t in tasks):
+        raise ValueError(f"eval.lm_eval_tasks must be a list of lm-eval task names, e.g. [\"wikitext_local\"], "
+                         f"got {tasks!r}")
+    if len(set(tasks)) != len(tasks):
+        raise ValueError(f"eval.lm_eval_tasks {list(tasks)} repeats a task")
+    object.__setattr__(e, "lm_eval_tasks", tuple(tasks))
+    if tasks and e.metric != "perplexity":
+        raise ValueError(f"eval.lm_eval_tasks applies to causal LMs (metric = 'perplexity'), got metric {e.metric!r}")
+    check_int("eval.lm_eval_limit", e.lm_eval_limit, 1, allow_none=True)
+    check_int("eval.lm_eval_max_length", e.lm_eval_max_length, 2, allow_none=True)
+    check_int("eval.lm_eval_batch_size", e.lm_eval_batch_size, 1)
 
 
 @dataclass(frozen=True)

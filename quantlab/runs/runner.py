@@ -21,6 +21,7 @@ from ..core.lifecycle import quantize
 from ..core.registry import get_method, method_versions, non_default_fields
 from ..eval import measure_latency, peak_memory_mib, perplexity, reset_peak_memory, weight_stats
 from ..eval.embedding import embedding_fidelity, layer_output_errors, mean_pooled_embeddings, sentences_from_text
+from ..eval.lmeval import check_tasks, run_lm_eval
 from ..eval.memprobe import isolated_run_memory
 from ..eval.perplexity import KL_REFERENCE_ON_THE_FLY
 from ..kvcache import apply_kv_quant, kv_describe
@@ -65,6 +66,8 @@ class _Context:
 
     def __init__(self, exp: Experiment, device, data_dir, cache_dir, progress: bool):
         self.exp, self.device, self.data_dir, self.cache_dir, self.progress = exp, device, data_dir, cache_dir, progress
+        # lm-eval tasks are built (their data sets loaded) before the model: a task the hub must serve fails here
+        self.lm_eval_tasks = check_tasks(list(exp.eval.lm_eval_tasks), data_dir) if exp.eval.lm_eval_tasks else None
         self.model, self.tokenizer = load_model(exp.model, exp.dtype, str(device), cache_dir, progress=progress)
         self.max_positions = model_info(self.model)["max_positions"]
         length = exp.eval.seq_len if exp.eval.metric == "perplexity" else exp.eval.max_length
@@ -218,6 +221,10 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
     t0 = time.perf_counter()
     row = (_embedding_metrics if exp.eval.metric == "embedding" else _perplexity_metrics)(ctx, model)
     row["eval_s"] = time.perf_counter() - t0 - (row.get("kl_reference_s") or 0.0)  # this model's evaluation
+    if exp.eval.lm_eval_tasks:  # the model as evaluated above; its time is lmeval_s, not in eval_s
+        e = exp.eval
+        row.update(run_lm_eval(model, ctx.tokenizer, list(e.lm_eval_tasks), e.lm_eval_limit, e.lm_eval_max_length,
+                               e.lm_eval_batch_size, ctx.data_dir, manager=ctx.lm_eval_tasks))
     if exp.eval.latency:
         prompt = ctx.eval_ids[: exp.eval.prefill_tokens].unsqueeze(0)
         new_tokens = exp.eval.decode_tokens if exp.eval.metric == "perplexity" else 0
