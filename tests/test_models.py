@@ -22,7 +22,7 @@ def test_unknown_dtype_and_device():
 
 
 def test_missing_path_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist; built-in aliases: minilm-l6, smollm2-135m"):
+    with pytest.raises(FileNotFoundError, match="does not exist; built-in aliases: gemma3-270m, minilm-l6, smollm2-135m"):
         models.load_model(str(tmp_path / "no-such-model"))
 
 

