@@ -46,7 +46,7 @@ from ..core.qlinear import QuantLinear, WeightSpec
 from ..core.registry import LayerSelection, Method, register_method
 from ..models.arch import find_blocks
 from . import blocks
-from .blocks import NEXT_INPUTS, block_output, capture_block_inputs, float_weights, prepared_linears, run_block
+from .blocks import NEXT_INPUTS, block_output, capture_block_calls, float_weights, prepared_linears, run_block
 
 FACTOR_RANGE = (0.5, 1.0)  # min/max clip factors
 OFFSET_RANGE = (-0.5, 0.5)  # rounding offsets V
@@ -292,9 +292,10 @@ class AutoRound(Method):
         quantized (the training inputs with next_inputs = "quantized")."""
         was_training = model.training
         model.eval()
-        inputs, kwargs = capture_block_inputs(model, batches)
+        inputs, block_kwargs = capture_block_calls(model, batches)  # kwargs per block: sliding-window layers differ
         q_inputs, generator, results = inputs, torch.Generator().manual_seed(config.seed), []
-        for block in tqdm(find_blocks(model), desc="autoround", leave=False, disable=not progress):
+        for block, kwargs in zip(tqdm(find_blocks(model), desc="autoround", leave=False, disable=not progress),
+                                 block_kwargs):
             with float_weights(prepared_linears(block)):
                 targets = run_block(block, inputs, kwargs)  # the float block on float inputs
             train_inputs = q_inputs if config.next_inputs == "quantized" else inputs

@@ -1,5 +1,6 @@
-"""Block-by-block calibration: capture the inputs of the first block once, then
-walk the blocks. Block i+1 sees either block i's outputs after it was processed
+"""Block-by-block calibration: capture the inputs of the first block once (and the call kwargs of
+each kind of block: a sliding-window layer gets its own mask and RoPE, see capture_block_calls),
+then walk the blocks. Block i+1 sees either block i's outputs after it was processed
 (next_inputs="quantized": GPTQ, errors of earlier blocks carried forward) or its
 float outputs from before (next_inputs="float": the float model's hidden states,
 as llm-awq's run_awq computes `inps = layer(inps)` before scaling and clipping).
@@ -36,16 +37,30 @@ def block_output(out) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _layer_kinds(model: nn.Module, n_blocks: int) -> list:
+    """One key per block: blocks with the same key are called with the same kwargs. transformers' `layer_types`
+    (Gemma-2/3, Qwen2 with sliding windows, ...): a sliding-window layer gets its own mask and RoPE; else one kind."""
+    kinds = getattr(getattr(model, "config", None), "layer_types", None)
+    return list(kinds) if isinstance(kinds, (list, tuple)) and len(kinds) == n_blocks else [None] * n_blocks
+
+
 @torch.no_grad()
-def capture_block_inputs(model: nn.Module, batches: Iterable[torch.Tensor]) -> tuple[list, list[dict]]:
-    """Run the model up to its first block for each batch: (hidden states, call kwargs) per batch."""
+def capture_block_calls(model: nn.Module, batches: Iterable[torch.Tensor]) -> tuple[list, list[list[dict]]]:
+    """Run the model into its blocks for each batch: (hidden states entering block 0, per batch), and per block the
+    call kwargs (attention mask, position embeddings, ...) per batch.
+
+    Blocks of one kind (_layer_kinds) share the kwargs captured at the first block of that kind; the forward
+    stops at the first block of the last kind (block 0 when all are alike), so the earlier blocks run in float.
+    """
     blocks = find_blocks(model)
     device = next(model.parameters()).device
-    inputs, kwargs = [], []
-
+    kinds = _layer_kinds(model, len(blocks))
+    firsts = {kind: kinds.index(kind) for kind in dict.fromkeys(kinds)}  # kind -> its first block
+    last = max(firsts.values())
+    inputs, by_kind = [], {kind: [] for kind in firsts}
     signature = inspect.signature(blocks[0].forward)
 
-    def grab(module, args, kw):
+    def grab(index, args, kw):
         kw = dict(signature.bind_partial(*args, **kw).arguments)  # positional -> named (BERT passes the mask positionally)
         kw.update(kw.pop("kwargs", {}))
         hidden = kw.pop(next(iter(signature.parameters)))
@@ -53,11 +68,14 @@ def capture_block_inputs(model: nn.Module, batches: Iterable[torch.Tensor]) -> t
         kw = {k: (None if k in _CACHE_KEYS else v) for k, v in kw.items()}
         if "use_cache" in kw:
             kw["use_cache"] = False
-        inputs.append(hidden)
-        kwargs.append(kw)
-        raise _StopForward
+        if index == 0:
+            inputs.append(hidden)
+        by_kind[kinds[index]].append(kw)
+        if index == last:
+            raise _StopForward
 
-    handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+    handles = [blocks[i].register_forward_pre_hook(lambda m, a, kw, i=i: grab(i, a, kw), with_kwargs=True)
+               for i in sorted(firsts.values())]
     try:
         for batch in batches:
             try:
@@ -65,10 +83,17 @@ def capture_block_inputs(model: nn.Module, batches: Iterable[torch.Tensor]) -> t
             except _StopForward:
                 pass
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     if not inputs:
         raise ValueError("calibration set is empty (0 batches)")
-    return inputs, kwargs
+    return inputs, [by_kind[kind] for kind in kinds]
+
+
+def capture_block_inputs(model: nn.Module, batches: Iterable[torch.Tensor]) -> tuple[list, list[dict]]:
+    """(hidden states, call kwargs) of the first block per batch: capture_block_calls for block 0 alone."""
+    inputs, kwargs = capture_block_calls(model, batches)
+    return inputs, kwargs[0]
 
 
 @contextmanager
@@ -240,9 +265,10 @@ def for_each_block(
     check_choice("next_inputs", next_inputs, NEXT_INPUTS)
     was_training = model.training
     model.eval()
-    inputs, kwargs = capture_block_inputs(model, batches)
+    inputs, block_kwargs = capture_block_calls(model, batches)
     blocks = find_blocks(model)
     for i, block in enumerate(tqdm(blocks, desc=desc, leave=False, disable=not progress)):
+        kwargs = block_kwargs[i]
         if next_inputs == "float":
             with float_weights(prepared_linears(block)):
                 outputs = run_block(block, inputs, kwargs)
