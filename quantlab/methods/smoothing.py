@@ -5,6 +5,10 @@ With s > 0 per input channel of the consumers:
     producer's output channel  c       /= s[c]   (norm weight/bias, or linear rows/bias)
 so the float function is unchanged: W (x / s) * s = W x. Groups without a foldable
 producer keep the division explicit at each consumer (QuantLinear.input_scale).
+
+A norm that multiplies by (offset + w) (ScaleGroup.norm_offset: Gemma's RMSNorm, x̂·(1 + w)) gets
+w' = (offset + w) / s - offset, computed in float64: exact up to rounding w' to the weight's dtype,
+i.e. an absolute error of ~1 ulp of `offset` in the norm's factor (Gemma: 6e-8 in fp32).
 """
 from __future__ import annotations
 
@@ -48,6 +52,9 @@ def apply_scale(block: nn.Module, group: ScaleGroup, scale: torch.Tensor) -> Non
         return
     if group.kind == "linear":
         producer.weight.div_(s.unsqueeze(1))
+    elif group.norm_offset:
+        factor = (group.norm_offset + producer.weight.double()) / scale.double()
+        producer.weight.copy_(factor - group.norm_offset)
     else:
         producer.weight.div_(s)
     if getattr(producer, "bias", None) is not None:

@@ -31,12 +31,17 @@ class ScaleGroup:
     # what the consumers read: a normalization's output ("norm": SmoothQuant's groups) or a linear's output,
     # possibly through an activation ("linear": v -> o, up -> down, fc1 -> fc2; SmoothQuant's option)
     input_from: str = "norm"
+    # a "norm" producer multiplies by (norm_offset + weight): Gemma's RMSNorm computes x̂·(1 + w), so a scale
+    # folds into (1 + w), not into w (smoothing.apply_scale)
+    norm_offset: float = 0.0
 
     def __post_init__(self):
         if self.kind not in ("norm", "linear", "explicit"):
             raise ValueError(f"ScaleGroup kind {self.kind!r} unknown; known: norm, linear, explicit")
         if self.input_from not in ("norm", "linear"):
             raise ValueError(f"ScaleGroup input_from {self.input_from!r} unknown; known: norm, linear")
+        if self.norm_offset and self.kind != "norm":
+            raise ValueError(f"ScaleGroup norm_offset {self.norm_offset} needs kind 'norm', got {self.kind!r}")
 
 
 _LLAMA = (
@@ -49,6 +54,23 @@ _LLAMA = (
 )
 
 _LLAMA_QK = ("self_attn.q_proj", "self_attn.k_proj")
+
+# Gemma-3 (gemma3_text): sandwich norms. input_layernorm feeds q/k/v; post_attention_layernorm normalizes the
+# attention's OUTPUT (o_proj's, before the residual add), so the MLP's input norm is pre_feedforward_layernorm;
+# post_feedforward_layernorm normalizes down_proj's output. An RMSNorm mixes all channels, so no scale passes
+# from o_proj / down_proj outputs through the post-norms (none is needed: no group reads them). Its RMSNorm
+# computes x̂·(1 + w): scales fold into (1 + w) (norm_offset). q_norm / k_norm (per-head RMSNorm after q_proj /
+# k_proj) stop any per-channel scale on q/k outputs, so no group starts there. v -> o holds where the shapes
+# match (group_applies: not under GQA, e.g. Gemma-3-270M's 4 query heads on 1 KV head). GeGLU: gelu(gate)·up,
+# so scaling up's rows scales down's input. Sliding-window and global layers differ only in their attention
+# mask and RoPE, which transformers passes per layer (methods/blocks.py replays each layer with its own).
+_GEMMA3 = (
+    ScaleGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), inspect="self_attn",
+               norm_offset=1.0),
+    ScaleGroup("self_attn.v_proj", ("self_attn.o_proj",), "linear", input_from="linear"),
+    ScaleGroup("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"), inspect="mlp", norm_offset=1.0),
+    ScaleGroup("mlp.up_proj", ("mlp.down_proj",), "linear", input_from="linear"),
+)
 
 # rotations (transforms/rotation.py): which norm feeds which linears, which linears write to the residual stream
 _LLAMA_ROTATION = {
@@ -63,6 +85,14 @@ ARCH: dict[str, dict] = {
     "llama": {"blocks": "model.layers", "groups": _LLAMA, "qk": _LLAMA_QK, "rotation": _LLAMA_ROTATION},
     "mistral": {"blocks": "model.layers", "groups": _LLAMA, "qk": _LLAMA_QK, "rotation": _LLAMA_ROTATION},
     "qwen2": {"blocks": "model.layers", "groups": _LLAMA, "qk": _LLAMA_QK, "rotation": _LLAMA_ROTATION},
+    "gemma3_text": {
+        "blocks": "model.layers", "groups": _GEMMA3, "qk": _LLAMA_QK,
+        # no "rotation": R1 would have to pass the post-attention / post-feedforward norms, whose per-channel
+        # (1 + w) sits between o_proj / down_proj and the residual stream
+        "rotation_why": "Gemma-3's post-attention and post-feedforward RMSNorms scale o_proj's and down_proj's "
+                        "outputs per channel by (1 + w) before the residual add, so a residual rotation (R1) "
+                        "cannot be folded through them",
+    },
     "opt": {
         "blocks": "model.decoder.layers",
         "qk": ("self_attn.q_proj", "self_attn.k_proj"),

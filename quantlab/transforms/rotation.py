@@ -103,8 +103,9 @@ def _facts(model: nn.Module) -> dict:
         from ..models.arch import ARCH
 
         known = sorted(k for k, v in ARCH.items() if v.get("rotation"))
-        raise ValueError(f"rotation: model_type {model_type!r} has no rotation facts (pre-norm RMSNorm decoders "
-                         f"only); supported: {', '.join(known)}; scope = \"online\" works on any model")
+        why = ARCH.get(model_type, {}).get("rotation_why", "pre-norm RMSNorm decoders only")
+        raise ValueError(f"rotation: model_type {model_type!r} has no rotation facts ({why}); supported: "
+                         f"{', '.join(known)}; scope = \"online\" works on any model")
     return facts
 
 
