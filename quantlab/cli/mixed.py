@@ -32,7 +32,7 @@ def _configs(args) -> list:
 
 
 def _target(args):
-    """(model, dtype, name, eval dataset, seq_len) from an experiment file or a model name; the name (a
+    """(model, dtype, name, eval dataset, seq_len, bos) from an experiment file or a model name; the name (a
     file-name part: reports/<name>.sensitivity.*) is checked here, before anything loads."""
     from ..core.checks import check_name
     from ..runs.experiment import load_experiment
@@ -41,20 +41,22 @@ def _target(args):
         check_name("--name", args.name)
     if args.target.endswith(".toml"):
         exp = load_experiment(args.target)
-        return exp.model, exp.dtype, args.name or exp.name, exp.eval.dataset, args.seq_len or exp.eval.seq_len
+        return (exp.model, exp.dtype, args.name or exp.name, exp.eval.dataset, args.seq_len or exp.eval.seq_len,
+                exp.eval.bos)
     name = args.name or re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(args.target).name)
     check_name("output name (from the model path; set one with --name)", name)
-    return args.target, "float32", name, "wikitext2", args.seq_len or 512
+    return args.target, "float32", name, "wikitext2", args.seq_len or 512, "none"
 
 
 def cmd_sensitivity(args) -> int:
     from ..mixed.plot import with_ext, write_sensitivity
     from ..mixed.sensitivity import sweep, validation_windows
+    from ..models.data import bos_token_id
     from ..models.loading import load_model
     from ..runs.results import results_lock
 
     configs = _configs(args)
-    model_name, dtype, name, dataset, seq_len = _target(args)
+    model_name, dtype, name, dataset, seq_len, bos = _target(args)
     suffix = "" if args.granularity == "layer" else f"_{args.granularity}"
     prefix = Path(args.reports_dir) / f"{name}.sensitivity{suffix}"
     prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -62,7 +64,7 @@ def cmd_sensitivity(args) -> int:
     with results_lock(cache):  # one sweep per cache file at a time; a second fails before loading anything
         model, tok = load_model(model_name, dtype, args.device, args.cache_dir, progress=not args.quiet)
         windows, source = validation_windows(tok, dataset, args.split, seq_len, args.windows, args.data_dir,
-                                             args.cache_dir)
+                                             args.cache_dir, bos_token_id(tok, bos))
         rows = sweep(model, configs, windows, args.granularity, cache, progress=not args.quiet)
         for r in rows:
             r.update(model=model_name, split=args.split, source=source, windows=len(windows), seq_len=seq_len)

@@ -242,15 +242,17 @@ def _row(model, unit: Unit, config: RTNConfig, cfg: dict, metrics: dict, granula
 
 
 def validation_windows(tokenizer, dataset: str = "wikitext2", split: str = "validation", seq_len: int = 512,
-                       windows: int = 2, data_dir=None, cache_dir=None) -> tuple[torch.Tensor, str]:
-    """The first `windows` non-overlapping windows of a non-test split, and its source description."""
+                       windows: int = 2, data_dir=None, cache_dir=None, bos_id: int | None = None,
+                       ) -> tuple[torch.Tensor, str]:
+    """The first `windows` non-overlapping windows of a non-test split (each starting with bos_id, if given),
+    and its source description."""
     from ..models.data import eval_windows, load_token_ids
 
     if split == "test":
         raise ValueError("sensitivity on the 'test' split is not allowed: it chooses the assignment that is "
                          "then evaluated on test; use 'validation'")
     ids, source = load_token_ids(dataset, split, tokenizer, data_dir, cache_dir)
-    return eval_windows(ids, seq_len, windows), source
+    return eval_windows(ids, seq_len, windows, bos_id=bos_id), source
 
 
 def sweep(model: nn.Module, configs: list[Any], windows: torch.Tensor, granularity: str = "layer",

@@ -4,7 +4,8 @@
 Protocol (stated in every row): the test split's rows joined with "\\n\\n" (the
 GPTQ-paper string), tokenized once without special tokens (no BOS), cut into
 non-overlapping windows. Calibration draws seeded random windows from the
-validation split — never the test split.
+validation split — never the test split. With [eval] bos = "prepend" (a model trained
+to always see a BOS, such as Gemma) every window is the BOS and seq_len - 1 text tokens.
 
 >>> ids, source = load_token_ids("wikitext2", "test", tokenizer)
 >>> windows = eval_windows(ids, seq_len=512, max_windows=16)     # (16, 512)
@@ -151,28 +152,69 @@ def load_token_ids(dataset: str, split: str, tokenizer, data_dir=None, cache_dir
     return tokenize(text, tokenizer, cache_dir), source
 
 
+BOS_MODES = ("none", "prepend")
+
+
+def bos_token_id(tokenizer, bos: str) -> int | None:
+    """The id every window starts with under `bos` ("prepend": the tokenizer's BOS), or None ("none").
+
+    >>> bos_token_id(gemma_tokenizer, "prepend")
+    2
+    """
+    check_choice("bos", bos, BOS_MODES)
+    if bos == "none":
+        return None
+    if getattr(tokenizer, "bos_token_id", None) is None:
+        raise ValueError(f"bos = 'prepend' needs a BOS token, but the tokenizer ({type(tokenizer).__name__}) has none; "
+                         "use bos = 'none'")
+    return int(tokenizer.bos_token_id)
+
+
+def bos_description(tokenizer, bos: str, seq_len: int) -> str:
+    """What a row's `bos` column says: "none", or which token starts every window and what that leaves."""
+    bos_id = bos_token_id(tokenizer, bos)
+    if bos_id is None:
+        return "none"
+    return f"`{tokenizer.bos_token}` (id {bos_id}) prepended to every window, {seq_len - 1} text tokens each"
+
+
+def _with_bos(rows: torch.Tensor, bos_id: int | None) -> torch.Tensor:
+    if bos_id is None:
+        return rows
+    return torch.cat([torch.full((rows.shape[0], 1), bos_id, dtype=rows.dtype), rows], dim=1)
+
+
 def eval_windows(
-    ids: torch.Tensor, seq_len: int, max_windows: int | None = None, max_tokens: int | None = None
+    ids: torch.Tensor, seq_len: int, max_windows: int | None = None, max_tokens: int | None = None,
+    bos_id: int | None = None,
 ) -> torch.Tensor:
-    """Non-overlapping (n, seq_len) windows from the start; the ragged tail is dropped (GPTQ protocol)."""
+    """Non-overlapping (n, seq_len) windows from the start; the ragged tail is dropped (GPTQ protocol).
+
+    bos_id: every window is that token followed by the next seq_len - 1 text tokens (windows still do not
+    overlap, and every text token in them is predicted, the first one from the BOS).
+    """
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-    n = ids.numel() // seq_len
+    text_len = seq_len - (bos_id is not None)
+    n = ids.numel() // text_len
     if n == 0:
         raise ValueError(f"text has {ids.numel()} tokens, fewer than one window of seq_len={seq_len}")
     if max_windows is not None:
         n = min(n, max_windows)
     if max_tokens is not None:
         n = min(n, max(1, max_tokens // seq_len))
-    return ids[: n * seq_len].view(n, seq_len)
+    return _with_bos(ids[: n * text_len].view(n, text_len), bos_id)
 
 
-def calibration_windows(ids: torch.Tensor, num_samples: int, seq_len: int, seed: int) -> torch.Tensor:
-    """(num_samples, seq_len) windows at seeded random offsets (with replacement, GPTQ-style)."""
+def calibration_windows(ids: torch.Tensor, num_samples: int, seq_len: int, seed: int,
+                        bos_id: int | None = None) -> torch.Tensor:
+    """(num_samples, seq_len) windows at seeded random offsets (with replacement, GPTQ-style); with bos_id,
+    that token followed by seq_len - 1 text tokens."""
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    if ids.numel() <= seq_len:
+    text_len = seq_len - (bos_id is not None)
+    if ids.numel() <= text_len:
         raise ValueError(f"calibration text has {ids.numel()} tokens; samples of seq_len={seq_len} need more")
     gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, ids.numel() - seq_len, (num_samples,), generator=gen)
-    return torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
+    starts = torch.randint(0, ids.numel() - text_len, (num_samples,), generator=gen)
+    return _with_bos(torch.stack([ids[s : s + text_len] for s in starts.tolist()]), bos_id)

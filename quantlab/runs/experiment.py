@@ -37,6 +37,7 @@ def _check_keys(table: dict, cls: type, where: str) -> None:
 
 
 MEMORY_MODES = ("none", "isolated")
+BOS_MODES = ("none", "prepend")  # models.data.BOS_MODES: what eval_windows / calibration_windows do with a BOS
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class EvalProtocol:
     max_windows: int | None = None  # None: the whole split
     max_tokens: int | None = None
     kl_windows: int = 8  # first k eval windows also measure KL / top-1 vs the baseline; 0 = off
+    # "prepend": every window the model reads (evaluation, calibration, QAT training) starts with the tokenizer's
+    # BOS, followed by seq_len - 1 text tokens (models trained to always see one, e.g. Gemma); "none": text only
+    bos: str = "none"
     num_sentences: int = 256  # embedding metric: first N sentences of the split
     max_length: int = 128  # embedding metric: tokens per sentence at most
     latency: bool = True
@@ -87,6 +91,8 @@ class EvalProtocol:
         for name in ("prefill_tokens", "decode_tokens", "latency_repeats"):
             check_int(f"eval.{name}", getattr(self, name), 1)
         check_int("eval.kl_windows", self.kl_windows, 0)
+        if self.bos not in BOS_MODES:
+            raise ValueError(f"eval.bos {self.bos!r} unknown; known: {', '.join(BOS_MODES)}")
         if self.datasets is not None:
             object.__setattr__(self, "datasets", _check_datasets("eval.datasets", self.datasets))
             if self.metric != "perplexity":
