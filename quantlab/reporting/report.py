@@ -32,6 +32,7 @@ TABLE_COLUMNS = [
     ("layer_rel_err_mean", "layer rel err mean ↓", "{:.4f}"),
     ("layer_rel_err_max", "layer rel err max ↓", "{:.4f}"),
     ("weight_mib", "weights MiB", "{:.1f}"),
+    ("weight_mib_no_embedding", "weights MiB w/o embedding", "{:.1f}"),
     ("weight_ratio", "× weights", "{:.3f}"),
     ("bits_per_weight", "bits/w (quantized layers)", "{:.3f}"),
     ("peak_rss_mib", "peak RSS MiB (isolated)", "{:.0f}"),
@@ -50,7 +51,7 @@ TABLE_COLUMNS = [
 # the best value of these columns (among the quantized runs) is bold in the Markdown table
 LOWER_IS_BETTER = {"ppl", "ppl_delta_pct", "kl_mean", "layer_rel_err_mean", "layer_rel_err_max", "weight_mib",
                    "weight_ratio", "bits_per_weight", "prefill_ms_p50", "decode_ms_per_token_p50", "peak_rss_mib",
-                   "peak_vram_mib"}
+                   "peak_vram_mib", "weight_mib_no_embedding"}
 HIGHER_IS_BETTER = {"top1_agree", "cos_mean", "cos_p5", "decode_speedup", "prefill_speedup"}
 SEED_METRICS = ["ppl", "ppl_delta_pct", "kl_mean", "top1_agree", "cos_mean", "cos_p5"]  # mean ± std over seeds
 PLOTS = [("ppl_vs_weight_bytes", "weight_bytes", "perplexity vs weight size"),
