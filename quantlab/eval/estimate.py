@@ -7,7 +7,8 @@ Terms (bytes):
 - weights: the decoder linears at `bits` (packed codes + scales + zero points per group, as
   the backend stores them) + everything kept in float: embeddings, lm_head when untied (tied:
   counted once), norms, biases;
-- kv cache: layers x 2 x kv_heads x head_dim x seq_len x batch x bytes(kv dtype);
+- kv cache: layers x 2 x kv_heads x head_dim x seq_len x batch x bytes(kv dtype) (a sliding-window layer
+  holds at most `sliding_window` tokens: transformers' cache keeps no more);
 - activations: the transient tensors of one decoder layer at prefill, batch x seq_len x
   (2 hidden + 3 intermediate) x bytes, + last-position logits (batch x vocab, fp32) + with the
   simulated backend one dequantized weight matrix of the largest layer;
@@ -15,7 +16,8 @@ Terms (bytes):
   310 MiB RSS once Python + torch + transformers + quantlab are imported, and 420-470 MiB once a
   model's modules and torchao's kernels are loaded too (RSS minus live tensors); 450 MiB is used.
   CUDA: the CUDA context, outside the caching allocator (~500 MiB; not in max_memory_allocated).
-Only Llama-style decoders (q/k/v/o + gate/up/down) are modelled; others fail loudly.
+Only Llama-style decoders (q/k/v/o + gate/up/down) are modelled, Gemma-3 included (its four norms per
+layer, q/k norms and sliding-window layers counted); others fail loudly.
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ from ..core.checks import check_choice, check_dtype, check_int, dtype_bytes
 
 MIB, GIB = 2**20, 2**30
 OVERHEAD_MIB = {"cpu": 450.0, "cuda": 500.0}
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "olmo2", "granite")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "olmo2", "granite", "gemma3_text")
+SANDWICH_NORMS = ("gemma3_text",)  # 4 norms of hidden per layer (pre/post attention and MLP) + q/k norms of head_dim
 # Bytes per group of scale (+ zero) metadata, by backend: quantlab packs an fp16 scale (+ a uint8
 # zero when asymmetric); torchao's int8 kernels keep an fp32 scale per channel, its int4 tinygemm
 # kernels a bf16 scale + bf16 zero per group.
@@ -83,8 +86,16 @@ def _shapes(config) -> tuple[list[tuple[int, int]], int]:
     vocab = _cfg(config, "vocab_size")
     tied = bool(getattr(config, "tie_word_embeddings", False))
     bias = (heads * hd + 2 * kv * hd) if getattr(config, "attention_bias", False) else 0
-    floats = vocab * h * (1 if tied else 2) + n_layers * (2 * h + bias) + h  # embeddings (+ lm_head), norms, biases
+    norms = 4 * h + 2 * hd if config.model_type in SANDWICH_NORMS else 2 * h
+    floats = vocab * h * (1 if tied else 2) + n_layers * (norms + bias) + h  # embeddings (+ lm_head), norms, biases
     return layer * n_layers, floats
+
+
+def _kv_tokens(config, seq_len: int) -> int:
+    """Cached tokens summed over layers: a sliding-window layer (config.layer_types) keeps at most sliding_window."""
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    window = getattr(config, "sliding_window", None) or seq_len
+    return sum(min(seq_len, window) if kind == "sliding_attention" else seq_len for kind in kinds)
 
 
 def _layer_bytes(out_f: int, in_f: int, bits: int, group_size: int | None, symmetric: bool, backend: str) -> int:
@@ -143,7 +154,7 @@ def estimate_memory(
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     hd = getattr(config, "head_dim", None) or h // heads
-    kv_bytes = config.num_hidden_layers * 2 * kv * hd * seq_len * batch * fb
+    kv_bytes = _kv_tokens(config, seq_len) * 2 * kv * hd * batch * fb
     act = batch * seq_len * (2 * h + 3 * inter) * fb + batch * config.vocab_size * 4
     if quant and backend == "simulated":  # one weight dequantized on the fly (+ its unpacked uint8 codes)
         act += max(o * i for o, i in linears) * (fb + 1)
