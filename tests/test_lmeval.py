@@ -101,6 +101,7 @@ def test_word_perplexity_equals_quantlabs_own_rolling_nll(tiny_model_dir, tiny_d
     pages = wikitext_documents(json.loads(r)["text"] for r in (tiny_data_dir / "wiki.test.rows.jsonl").open())
     assert cols["lmeval_wikitext_local_docs"] == len(pages) == 3
     assert cols["lmeval_max_length"] == 64 and cols["lmeval_prefix_token_id"] == tok.bos_token_id
+    assert cols["lmeval_document_bos"] is False  # this tokenizer adds no BOS: the prefix is the only one
     ref = quantlab_wikitext_metrics(model, tok, pages, 64, tok.bos_token_id)
     for metric, value in ref.items():  # reference: quantlab's NLL on the same windows; 1e-4 relative
         assert cols[f"lmeval_wikitext_local_{metric}"] == pytest.approx(value, rel=1e-4), metric
@@ -109,6 +110,16 @@ def test_word_perplexity_equals_quantlabs_own_rolling_nll(tiny_model_dir, tiny_d
     # the model and tokenizer are left as they were (HFLM ties weights and sets a pad token on what it gets)
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items()) and "tie_weights" not in vars(model)
     assert tok.pad_token is None
+
+
+def test_document_bos_says_when_the_tokenizer_adds_its_own(tiny_model_dir):
+    from tokenizers.processors import TemplateProcessing
+
+    model, tok = quantlab.load_model(str(tiny_model_dir), device="cpu")
+    assert lmeval.document_bos(lmeval.wrap_model(model, tok)) is False
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)])
+    assert tok("x")["input_ids"][0] == tok.bos_token_id
+    assert lmeval.document_bos(lmeval.wrap_model(model, tok)) is True
 
 
 def test_a_hub_task_offline_fails_naming_it(tmp_path, monkeypatch):
@@ -152,6 +163,7 @@ def test_experiment_lm_eval_tasks_add_columns_and_a_report_table(tiny_model_dir,
     assert df.loc["fp32", col] == pytest.approx(ref, rel=1e-4)
     report = (tmp_path / "tiny_lmeval.md").read_text()
     assert "**lm-evaluation-harness**" in report and "| run | scheme | wikitext_local_word_perplexity ↓ |" in report
+    assert "starting from token id 0." in report  # the tiny tokenizer's <s>; it adds no BOS of its own
 
 
 def test_lm_eval_fields_are_validated():

@@ -167,14 +167,23 @@ def wrap_model(model, tokenizer, max_length: int | None = None, batch_size: int 
 def evaluate(model, tokenizer, tasks: list[str], limit: int | None = None, max_length: int | None = None,
              batch_size: int = 1, data_dir=None, include_path=None, manager=None) -> tuple[dict, dict]:
     """lm-eval's simple_evaluate on the model in memory: (its results dict, {max_length: the rolling-window
-    length, prefix_token_id: the token each document's first window starts from})."""
+    length, prefix_token_id: the token each document's first window starts from, document_bos: whether lm-eval's
+    encoding of a document starts with the tokenizer's BOS, which is then scored as a predicted token})."""
     import_lm_eval()
     from lm_eval import simple_evaluate
 
     lm = wrap_model(model, tokenizer, max_length, batch_size)
     manager = manager or task_manager(tasks, data_dir, include_path)
     results = simple_evaluate(model=lm, tasks=list(tasks), limit=limit, task_manager=manager, log_samples=False)
-    return results, {"max_length": lm.max_length, "prefix_token_id": lm.prefix_token_id}
+    return results, {"max_length": lm.max_length, "prefix_token_id": lm.prefix_token_id,
+                     "document_bos": document_bos(lm)}
+
+
+def document_bos(lm) -> bool:
+    """Whether lm-eval's encoding of a document starts with the tokenizer's BOS (Gemma's, Llama's tokenizers add
+    one): lm-eval then scores it as a predicted token, the first window being [prefix, BOS, text...]."""
+    bos = lm.tokenizer.bos_token_id
+    return bos is not None and lm.tok_encode("x")[:1] == [bos]
 
 
 def column(task: str, metric: str) -> str:
@@ -208,7 +217,7 @@ def run_lm_eval(model, tokenizer, tasks: list[str], limit: int | None = None, ma
                 batch_size: int = 1, data_dir=None, include_path=None, manager=None) -> dict:
     """Evaluate `tasks` on the model in memory and return the row columns (see result_columns), with the
     protocol: lmeval_tasks, lmeval_limit, lmeval_max_length (rolling-window length), lmeval_prefix_token_id,
-    lmeval_batch_size, lmeval_version, lmeval_s."""
+    lmeval_document_bos, lmeval_batch_size, lmeval_version, lmeval_s."""
     from importlib.metadata import version
 
     t0 = time.perf_counter()

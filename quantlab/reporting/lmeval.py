@@ -8,8 +8,8 @@ import pandas as pd
 
 # as quantlab.eval.lmeval writes them (not imported: a report is written from rows alone, without torch or lm-eval)
 PREFIX = "lmeval_"
-PROTOCOL = {f"{PREFIX}{k}" for k in ("tasks", "limit", "max_length", "prefix_token_id", "batch_size", "version", "s",
-                                     "higher_is_better")}
+PROTOCOL = {f"{PREFIX}{k}" for k in ("tasks", "limit", "max_length", "prefix_token_id", "document_bos", "batch_size",
+                                     "version", "s", "higher_is_better")}
 
 
 def metric_columns(df: pd.DataFrame) -> list[str]:
@@ -51,9 +51,13 @@ def section(df: pd.DataFrame) -> str:
         return ""
     r = df[df[f"{PREFIX}tasks"].notna()].iloc[0]
     limit = r.get(f"{PREFIX}limit")
-    docs = "all documents" if limit is None or limit != limit else f"the first {int(limit)} documents"
+    docs = ("all documents" if limit is None or limit != limit
+            else "the first document" if int(limit) == 1 else f"the first {int(limit)} documents")
     text = (f"**lm-evaluation-harness** {r.get(f'{PREFIX}version')} on each run's model as evaluated above "
             f"(wrapped in memory as `HFLM`, nothing reloaded): tasks {r[f'{PREFIX}tasks']}, {docs} of each, rolling "
-            f"windows of {int(r[f'{PREFIX}max_length'])} tokens. ± is lm-eval's stderr where it gives one (it "
-            "does not bootstrap the perplexities).")
+            f"windows of {int(r[f'{PREFIX}max_length'])} tokens, each document's first window starting from token "
+            f"id {r.get(f'{PREFIX}prefix_token_id')}"
+            + (" (the tokenizer also puts its BOS at the start of each document, which lm-eval then scores)"
+               if r.get(f"{PREFIX}document_bos") is True else "")
+            + ". ± is lm-eval's stderr where it gives one (it does not bootstrap the perplexities).")
     return text + "\n\n" + table(df)
