@@ -61,6 +61,23 @@ def test_eval_windows_are_non_overlapping_and_budgeted():
         eval_windows(ids, 2048)
 
 
+def test_spread_windows_sample_the_whole_split():
+    ids = torch.arange(1000)  # 7 windows of 128: 0..6
+    every = eval_windows(ids, 128)
+    assert torch.equal(eval_windows(ids, 128, max_windows=3, order="spread"), every[[0, 3, 6]])
+    assert torch.equal(eval_windows(ids, 128, max_windows=4, order="spread"), every[[0, 2, 4, 6]])
+    assert torch.equal(eval_windows(ids, 128, max_windows=1, order="spread"), every[:1])
+    assert torch.equal(eval_windows(ids, 128, max_tokens=300, order="spread"), every[[0, 6]])
+    assert torch.equal(eval_windows(ids, 128, order="spread"), every)  # no limit: every window, as "first"
+    assert torch.equal(eval_windows(ids, 128, max_windows=9, order="spread"), every)
+    spread = eval_windows(ids, 128, max_windows=5, order="spread", bos_id=-1)  # BOS + 127 text tokens: 7 windows,
+    # positions linspace(0, 6, 5) = 0, 1.5, 3, 4.5, 6 rounded half to even
+    assert spread[:, 0].eq(-1).all() and torch.equal(spread[:, 1], torch.tensor([0, 2, 3, 4, 6]) * 127)
+    assert len({int(w[1]) for w in spread}) == 5  # distinct windows, never one twice
+    with pytest.raises(ValueError, match="window order 'random' unknown; known: first, spread"):
+        eval_windows(ids, 128, max_windows=3, order="random")
+
+
 def test_calibration_windows_are_seeded():
     ids = torch.arange(5000)
     a, b = calibration_windows(ids, 8, 64, seed=0), calibration_windows(ids, 8, 64, seed=0)

@@ -194,3 +194,21 @@ def test_smollm2_on_wikitext_and_code(tmp_path, wikitext_dir):
     for d in ("wikitext2", "pystdlib"):
         assert df.loc["rtn", f"ppl_{d}"] > df.loc["fp32", f"ppl_{d}"]
     assert "higher than" in (tmp_path / "smol_domains.md").read_text()
+
+
+def test_spread_windows_in_an_experiment(tiny_model_dir, tmp_path):
+    """[eval] windows = "spread": the row says so, the protocol line says so, the key of a default run is as before."""
+    first = _experiment(tiny_model_dir, run=RUNS[:2])
+    spread = _experiment(tiny_model_dir, run=RUNS[:2], eval={"windows": "spread"})
+    dev = torch.device("cpu")
+    assert runner.run_key(first, first.runs[0], dev) != runner.run_key(spread, spread.runs[0], dev)
+    assert runner.run_key(first, first.runs[0], dev) == runner.run_key(
+        _experiment(tiny_model_dir, run=RUNS[:2], eval={"windows": "first"}), first.runs[0], dev)
+    df = runner.run_experiment(spread, tmp_path, progress=False).set_index("run")
+    assert df.loc["fp32", "eval_window_order"] == "spread"
+    assert "spread evenly over the split" in (tmp_path / "tiny_domains.md").read_text()
+    ref = runner.run_experiment(first, tmp_path / "first", progress=False).set_index("run")
+    assert "eval_window_order" not in ref and df.loc["fp32", "eval_windows"] == ref.loc["fp32", "eval_windows"]
+    assert df.loc["fp32", "window_nll"] != ref.loc["fp32", "window_nll"]  # other windows (the sample has more than 3)
+    with pytest.raises(ValueError, match="eval.windows 'random' unknown; known: first, spread"):
+        EvalProtocol(windows="random")

@@ -184,26 +184,40 @@ def _with_bos(rows: torch.Tensor, bos_id: int | None) -> torch.Tensor:
     return torch.cat([torch.full((rows.shape[0], 1), bos_id, dtype=rows.dtype), rows], dim=1)
 
 
+WINDOW_ORDERS = ("first", "spread")  # eval_windows: the first windows of the split, or evenly spaced ones
+
+
 def eval_windows(
     ids: torch.Tensor, seq_len: int, max_windows: int | None = None, max_tokens: int | None = None,
-    bos_id: int | None = None,
+    bos_id: int | None = None, order: str = "first",
 ) -> torch.Tensor:
-    """Non-overlapping (n, seq_len) windows from the start; the ragged tail is dropped (GPTQ protocol).
+    """Non-overlapping (n, seq_len) windows; the ragged tail is dropped (GPTQ protocol).
 
+    order "first": the first n windows of the split; "spread": n of its windows at evenly spaced positions
+    (window i of the k = max_windows is the round(i (N - 1) / (k - 1))-th of all N, the first and the last
+    included), so a short budget samples the whole text rather than its beginning. Without a limit both are
+    every window.
     bos_id: every window is that token followed by the next seq_len - 1 text tokens (windows still do not
     overlap, and every text token in them is predicted, the first one from the BOS).
     """
+    if order not in WINDOW_ORDERS:
+        raise ValueError(f"window order {order!r} unknown; known: {', '.join(WINDOW_ORDERS)}")
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     text_len = seq_len - (bos_id is not None)
-    n = ids.numel() // text_len
+    n = total = ids.numel() // text_len
     if n == 0:
         raise ValueError(f"text has {ids.numel()} tokens, fewer than one window of seq_len={seq_len}")
     if max_windows is not None:
         n = min(n, max_windows)
     if max_tokens is not None:
         n = min(n, max(1, max_tokens // seq_len))
-    return _with_bos(ids[: n * text_len].view(n, text_len), bos_id)
+    windows = ids[: total * text_len].view(total, text_len)
+    if order == "spread" and n < total:
+        windows = windows[torch.linspace(0, total - 1, n).round().long()] if n > 1 else windows[:1]
+    else:
+        windows = windows[:n]
+    return _with_bos(windows, bos_id)
 
 
 def calibration_windows(ids: torch.Tensor, num_samples: int, seq_len: int, seed: int,

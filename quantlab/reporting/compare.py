@@ -14,9 +14,11 @@ import pandas as pd
 from . import stats
 
 # compared when both files have them (in this order); others can be asked for by name
-PROTOCOL = ["model", "dtype", "eval_dataset", "eval_split", "seq_len", "eval_windows", "eval_tokens", "bos",
-            "calib_samples", "device_name"]
-SAME_WINDOWS = {"eval_dataset", "eval_split", "seq_len", "eval_windows", "eval_tokens", "bos"}  # for pairing
+PROTOCOL = ["model", "dtype", "eval_dataset", "eval_split", "seq_len", "eval_windows", "eval_window_order",
+            "eval_tokens", "bos", "calib_samples", "device_name"]
+SAME_WINDOWS = {"eval_dataset", "eval_split", "seq_len", "eval_windows", "eval_window_order", "eval_tokens",
+                "bos"}  # for pairing
+IMPLIED = {"eval_window_order": "first"}  # a column rows leave out at its default
 DEFAULT_METRICS = ["ppl", "ppl_delta_pct", "kl_mean", "top1_agree", "cos_mean", "cos_p5", "layer_rel_err_mean",
                    "weight_mib", "bits_per_weight", "prefill_ms_p50", "decode_ms_per_token_p50", "calibrate_s"]
 
@@ -47,6 +49,8 @@ def _metrics(a, b, da, db, metrics):
 
 def _protocol_differences(da: pd.DataFrame, db: pd.DataFrame) -> list[str]:
     differs = []
+    da, db = (df.assign(**{c: df[c].fillna(v) if c in df else v for c, v in IMPLIED.items()})
+              if "eval_windows" in df else df for df in (da, db))
     for c in (c for c in PROTOCOL if c in da and c in db):
         va, vb = sorted(map(str, da[c].dropna().unique())), sorted(map(str, db[c].dropna().unique()))
         if va != vb:

@@ -96,5 +96,6 @@ def protocol_text(df: pd.DataFrame) -> str:
         parts.append(f"{d} `{r['eval_split']}` ({r[f'eval_source_{d}']}): {int(r[f'eval_windows_{d}'])} windows = "
                      f"{int(r[f'eval_tokens_{d}'])} tokens")
     return (f" Every run is evaluated on {len(labels)} domains in one pass, each as a single-domain run would be "
-            f"(windows from the start of its text, KL on its first windows; columns `ppl_<domain>`, "
+            f"(windows {'spread evenly over' if r.get('eval_window_order') == 'spread' else 'from the start of'} "
+            f"its text, KL on its first windows; columns `ppl_<domain>`, "
             f"`kl_mean_<domain>`, `window_nll_<domain>`): " + "; ".join(parts) + ".")

@@ -256,7 +256,9 @@ def protocol_text(df: pd.DataFrame) -> str:
     text = (
         f"**Protocol.** Perplexity on {r['eval_dataset']} `{r['eval_split']}` ({r['eval_source']}), "
         f"BOS: {r['bos']}, {int(r['eval_windows'])} non-overlapping windows of seq_len {int(r['seq_len'])} "
-        f"= {int(r['eval_tokens'])} tokens ({int(r['predicted_tokens'])} predicted) from the start of the split."
+        f"= {int(r['eval_tokens'])} tokens ({int(r['predicted_tokens'])} predicted) "
+        + ("spread evenly over the split (its first and last windows included)."
+           if r.get("eval_window_order") == "spread" else "from the start of the split.")
     )
     if r.get("kl_tokens"):
         text += f" KL(baseline ‖ run) and top-1 agreement over the first {int(r['kl_tokens'])} tokens"

@@ -37,6 +37,7 @@ def _check_keys(table: dict, cls: type, where: str) -> None:
 
 
 MEMORY_MODES = ("none", "isolated")
+WINDOW_ORDERS = ("first", "spread")  # models.data.WINDOW_ORDERS
 BOS_MODES = ("none", "prepend")  # models.data.BOS_MODES: what eval_windows / calibration_windows do with a BOS
 
 
@@ -54,6 +55,9 @@ class EvalProtocol:
     seq_len: int = 2048
     max_windows: int | None = None  # None: the whole split
     max_tokens: int | None = None
+    # which windows a limit keeps: "first" (the GPTQ protocol's start of the split) or "spread" (evenly spaced over
+    # the split: a short budget that samples the whole text, e.g. a code domain whose first files are a few)
+    windows: str = "first"
     kl_windows: int = 8  # first k eval windows also measure KL / top-1 vs the baseline; 0 = off
     # "prepend": every window the model reads (evaluation, calibration, QAT training) starts with the tokenizer's
     # BOS, followed by seq_len - 1 text tokens (models trained to always see one, e.g. Gemma); "none": text only
@@ -91,6 +95,8 @@ class EvalProtocol:
         for name in ("prefill_tokens", "decode_tokens", "latency_repeats"):
             check_int(f"eval.{name}", getattr(self, name), 1)
         check_int("eval.kl_windows", self.kl_windows, 0)
+        if self.windows not in WINDOW_ORDERS:
+            raise ValueError(f"eval.windows {self.windows!r} unknown; known: {', '.join(WINDOW_ORDERS)}")
         if self.bos not in BOS_MODES:
             raise ValueError(f"eval.bos {self.bos!r} unknown; known: {', '.join(BOS_MODES)}")
         if self.datasets is not None:

@@ -25,8 +25,17 @@ from ..eval.lmeval import check_tasks, run_lm_eval
 from ..eval.memprobe import isolated_run_memory
 from ..eval.perplexity import KL_REFERENCE_ON_THE_FLY
 from ..kvcache import apply_kv_quant, kv_describe
-from ..models.data import (bos_description, bos_token_id, calibration_windows, domain_label, eval_windows, load_text,
-                           load_token_ids, split_counts, tokenize)
+from ..models.data import (
+    bos_description,
+    bos_token_id,
+    calibration_windows,
+    domain_label,
+    eval_windows,
+    load_text,
+    load_token_ids,
+    split_counts,
+    tokenize,
+)
 from ..models.loading import default_cache_dir, load_model, model_info, resolve_device
 from ..reporting.report import scheme, write_report
 from ..transforms.rotation import rotate_model
@@ -84,7 +93,7 @@ class _Context:
                                               max_length=e.max_length, return_tensors="pt")
         else:
             self.eval_ids, self.eval_source = load_token_ids(e.dataset, e.split, self.tokenizer, data_dir, cache_dir)
-            self.windows = eval_windows(self.eval_ids, e.seq_len, e.max_windows, e.max_tokens, self.bos_id)
+            self.windows = eval_windows(self.eval_ids, e.seq_len, e.max_windows, e.max_tokens, self.bos_id, e.windows)
             # KL reference: ctx.model runs on each KL window right before the evaluated model (perplexity());
             # nothing is stored, so memory does not grow with kl_windows (stored log-probs: T x V x 4 B each)
             self.kl_windows = min(e.kl_windows, len(self.windows))
@@ -94,7 +103,7 @@ class _Context:
                 ids, source = (self.eval_ids, self.eval_source) if d == e.dataset else load_token_ids(
                     d, e.split, self.tokenizer, data_dir, cache_dir)
                 windows = self.windows if d == e.dataset else eval_windows(ids, e.seq_len, e.max_windows, e.max_tokens,
-                                                                           self.bos_id)
+                                                                           self.bos_id, e.windows)
                 self.domains[domain_label(d)] = (windows, source)
         self._reference_state = self._model_state()
         self._calib, self._calib_ids, self.calib_sources = {}, {}, {}
@@ -262,7 +271,8 @@ def _result_row(ctx: _Context, run: RunSpec, metrics: dict, env: dict) -> dict:
         "model": exp.model, "dtype": exp.dtype, "seed": exp.seed if run.seed is None else run.seed,
         "experiment": exp.name, "run_group": run.group or run.name,
         "eval_metric": exp.eval.metric, "eval_dataset": exp.eval.dataset, "eval_split": exp.eval.split,
-        "eval_source": ctx.eval_source, "bos": bos_description(ctx.tokenizer, exp.eval.bos, exp.eval.seq_len), **env,
+        "eval_source": ctx.eval_source, "bos": bos_description(ctx.tokenizer, exp.eval.bos, exp.eval.seq_len),
+        **({"eval_window_order": exp.eval.windows} if exp.eval.windows != "first" else {}), **env,
         "config": json.dumps(cfg, sort_keys=True),
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "run_key": run_key(exp, run, ctx.device),
