@@ -17,7 +17,22 @@ def test_cuda_requested_without_cuda_is_a_clear_error(monkeypatch):
 def test_unknown_dtype_and_device():
     with pytest.raises(ValueError, match="unknown dtype 'fp8'; known: float32, float16, bfloat16"):
         models.resolve_dtype("fp8")
-    with pytest.raises(ValueError, match="unknown device 'mps'"):
+    for bad in ("xla", "gpu"):  # a torch device type quantlab does not run on; not a torch device at all
+        with pytest.raises(ValueError, match=f"unknown device '{bad}'; known: auto, cpu, cuda, cuda:N, mps"):
+            models.resolve_device(bad)
+
+
+def test_mps_selection(monkeypatch):
+    """auto prefers cuda, then mps, then cpu; explicit mps without Metal fails as explicit cuda does."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert models.resolve_device("auto").type == "mps" and models.resolve_device("mps").type == "mps"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert models.resolve_device("auto").type == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert models.resolve_device("auto").type == "cpu"
+    with pytest.raises(RuntimeError, match="'mps' requested but MPS .* is not available here; use 'cpu' or 'auto'"):
         models.resolve_device("mps")
 
 

@@ -1,7 +1,7 @@
 """Prefill and per-token decode latency with warm-up, repeats and percentiles.
 
 Greedy decoding with the KV cache, a fixed number of new tokens (no early stop).
-On CUDA the clock is read only after torch.cuda.synchronize(). Passes repeat until both
+On CUDA (and MPS) the clock is read only after the device is synchronized. Passes repeat until both
 `repeats` passes and `min_time_s` seconds are done. Prefill computes the last position's
 logits only where the model supports it (logits_to_keep=1, as generate() does), so a
 (B, 512) prompt does not materialize B x 512 x vocab logits.
@@ -21,6 +21,8 @@ import torch
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "mps":  # Metal queues kernels asynchronously too
+        torch.mps.synchronize()
 
 
 def _percentile(xs: list[float], q: float) -> float:

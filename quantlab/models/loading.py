@@ -93,15 +93,32 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "quantlab"
 
 
+def mps_available() -> bool:
+    """Apple-silicon GPU (Metal) present and usable by this torch build."""
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
+
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """'auto' -> cuda when available, else cpu. Asking for cuda without one is an error."""
+    """'auto' -> cuda when available, else mps, else cpu. Asking for cuda or mps without one is an error.
+
+    >>> resolve_device("auto")    # device(type='cpu') on a machine with neither
+    """
     if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("mps" if mps_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:  # torch's own message lists its ~20 device types; ours names the ones quantlab runs on
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"unknown device {str(device)!r}; known: auto, cpu, cuda, cuda:N, mps")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device {str(device)!r} requested but CUDA is not available here; use 'cpu' or 'auto'")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device {str(device)!r}; known: auto, cpu, cuda, cuda:N")
+    if dev.type == "mps" and not mps_available():
+        raise RuntimeError(f"device {str(device)!r} requested but MPS (Apple Metal) is not available here; "
+                           f"use 'cpu' or 'auto'")
     return dev
 
 
