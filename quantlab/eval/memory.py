@@ -38,12 +38,13 @@ def weight_stats(model: nn.Module) -> dict:
 
     bits_per_weight = 8 * (codes + scales + zeros bytes) / weights in quantized layers;
     quant_layer_float_bytes is what the same layers take at the model's float dtype.
-    embedding_bytes: the input embedding (Gemma-3-270M: 262k x 640, 63% of its weights);
+    embedding_bytes: the input embedding (Gemma-3-270M: 262k x 640, 63% of its weights), quantized or not;
     weight_mib_no_embedding: everything else (a tied output head is the embedding, so it is left out too).
     """
     total = _unique_tensor_bytes(list(model.parameters()) + list(model.buffers()))
     embedding = _input_embedding(model)
-    embedding_bytes = _unique_tensor_bytes(list(embedding.parameters())) if embedding is not None else 0
+    embedding_bytes = (_unique_tensor_bytes(list(embedding.parameters()) + list(embedding.buffers()))
+                       if embedding is not None else 0)  # buffers: a QuantEmbedding's codes and scales
     # QuantLinear, and layers exported to torchao kernels (they carry storage_bytes too)
     qlayers = [m for m in model.modules() if isinstance(m, QuantLinear) or hasattr(m, "storage_bytes")]
     numel = sum(m.in_features * m.out_features for m in qlayers)

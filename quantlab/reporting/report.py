@@ -87,6 +87,9 @@ def scheme(cfg: dict, dtype: str) -> str:
     if kv and (kv.get("bits", 16) < 16 or kv.get("rotate_k")):
         text += f" + kv{kv.get('bits', 16)}" if kv.get("format", "int") == "int" else f" + kv-{kv['format']}"
         text += " rotK" if kv.get("rotate_k") else ""  # QuaRot's online head-dim Hadamard on Q and K
+    emb = cfg.get("embedding")
+    if emb:  # core/qembedding.py: the input embedding (and a tied head) as per-row codes
+        text += f" + emb{emb.get('bits', 8)}"
     return text
 
 

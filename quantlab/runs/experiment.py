@@ -216,6 +216,7 @@ class RunSpec:
     backend: str = "simulated"  # "simulated" | "torchao" | "auto": export to real kernels before evaluating
     rotation: Any = None  # a RotationConfig (or its table): rotate the float model before quantizing
     kv_cache: Any = None  # a KVCacheConfig (or its table): quantize the keys and values attention uses
+    embedding: Any = None  # an EmbeddingQuantConfig (or its table): the input embedding (and a tied head) as codes
     calibration: Any = None  # a CalibrationProtocol: this run's own (a `calibration = {...}` table); None: the file's
 
     def __post_init__(self):
@@ -230,18 +231,22 @@ class RunSpec:
             object.__setattr__(self, "rotation", _table_config("rotation", self.rotation))
         if isinstance(self.kv_cache, dict):
             object.__setattr__(self, "kv_cache", _table_config("kv_cache", self.kv_cache))
+        if isinstance(self.embedding, dict):
+            object.__setattr__(self, "embedding", _table_config("embedding", self.embedding))
         if self.rotation is not None:
             check_rotation_composes(self.rotation, self.config, self.backend)
 
     def to_dict(self) -> dict:
-        extra = {k: getattr(self, k).to_dict() for k in ("rotation", "kv_cache") if getattr(self, k) is not None}
+        extra = {k: getattr(self, k).to_dict() for k in ("rotation", "kv_cache", "embedding") if getattr(self, k) is not None}
         return {"name": self.name, **config_to_dict(self.config), **extra}
 
 
 def _table_config(field: str, table: dict):
-    """A run's `rotation = {...}` / `kv_cache = {...}` table -> its config (unknown keys named)."""
+    """A run's `rotation = {...}` / `kv_cache = {...}` / `embedding = {...}` table -> its config (unknown keys named)."""
     if field == "rotation":
         from ..transforms.rotation import RotationConfig as cls
+    elif field == "embedding":
+        from ..core.qembedding import EmbeddingQuantConfig as cls
     else:
         from ..kvcache import KVCacheConfig as cls
     names = [f.name for f in dataclasses.fields(cls)]
@@ -304,8 +309,10 @@ class Experiment:
             raise ValueError(f"experiment {self.name!r}: findings must be a string (a template), "
                              f"got {type(self.findings).__name__}")
         for r in self.runs:
-            if (r.rotation is not None or r.kv_cache is not None) and self.eval.memory == "isolated":
-                raise ValueError(f"experiment {self.name!r}: run {r.name!r} rotates or quantizes the KV cache, which "
+            if (r.rotation is not None or r.kv_cache is not None or r.embedding is not None) \
+                    and self.eval.memory == "isolated":
+                raise ValueError(f"experiment {self.name!r}: run {r.name!r} rotates or quantizes the KV cache or the "
+                                 f"embedding, which "
                                  f"the isolated memory process (it reloads the model) does not replay; set "
                                  f"[eval] memory = \"none\" for this experiment")
             if r.kv_cache is not None and self.eval.metric != "perplexity":
@@ -380,13 +387,13 @@ def _parse_run(i: int, table: dict, where: str, calib_table: dict | None = None)
     except ValueError as e:
         raise ValueError(f"{where}: [[run]] #{i + 1}: {e}") from None
     backend = table.pop("backend", "simulated")
-    rotation, kv_cache = table.pop("rotation", None), table.pop("kv_cache", None)
+    rotation, kv_cache, embedding = table.pop("rotation", None), table.pop("kv_cache", None), table.pop("embedding", None)
     calibration = table.pop("calibration", None)
     try:
-        for field, value in (("rotation", rotation), ("kv_cache", kv_cache)):
+        for field, value in (("rotation", rotation), ("kv_cache", kv_cache), ("embedding", embedding)):
             if value is not None and not isinstance(value, dict):
                 raise ValueError(f"{field} must be a table, e.g. {field} = {{...}}, got {value!r}")
-        return RunSpec(name, make_config(table), backend=backend, rotation=rotation, kv_cache=kv_cache,
+        return RunSpec(name, make_config(table), backend=backend, rotation=rotation, kv_cache=kv_cache, embedding=embedding,
                        calibration=_run_calibration(calibration, calib_table))
     except (ValueError, KeyError, TypeError) as e:
         msg = e.args[0] if e.args else str(e)

@@ -24,6 +24,7 @@ from ..eval.embedding import embedding_fidelity, layer_output_errors, mean_poole
 from ..eval.lmeval import check_tasks, run_lm_eval
 from ..eval.memprobe import isolated_run_memory
 from ..eval.perplexity import KL_REFERENCE_ON_THE_FLY
+from ..core.qembedding import quantize_embedding
 from ..kvcache import apply_kv_quant, kv_describe
 from ..models.data import (
     bos_description,
@@ -53,7 +54,7 @@ def run_key(exp: Experiment, run: RunSpec, device: torch.device) -> str:
     ident = {
         "run": {"name": run.name, "method": get_method(run.config).name, **non_default_fields(run.config),
                 **({"backend": run.backend} if run.backend != "simulated" else {}),
-                **{k: getattr(run, k).to_dict() for k in ("rotation", "kv_cache") if getattr(run, k) is not None}},
+                **{k: getattr(run, k).to_dict() for k in ("rotation", "kv_cache", "embedding") if getattr(run, k) is not None}},
         "model": exp.model, "dtype": exp.dtype, "seed": exp.seed, "device": device.type,
         "eval": non_default_fields(exp.eval),
         # a run's own calibration = {...} counts as what it is: the same protocol as the file's, the same key
@@ -225,6 +226,8 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
                        train_processes=exp.execution.qat_processes)
     isolated = _isolated_memory(ctx, run, model, method.name) if exp.eval.memory == "isolated" else {}
     exported = export_for_run(model, run.backend, method.name, ctx.eval_ids[:64].unsqueeze(0))
+    if run.embedding is not None:  # after the linears: methods calibrate with the float embedding, as it was
+        exported |= quantize_embedding(model, run.embedding)
     if run.kv_cache is not None:  # the keys and values attention uses, in the harness and in the decode cache
         apply_kv_quant(model, run.kv_cache)
     ctx.check_reference()

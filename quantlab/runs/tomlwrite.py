@@ -108,7 +108,7 @@ def experiment_dict(exp) -> dict:
     data["run"] = []
     for r in exp.runs:  # runs expanded from `seeds` fold back into one table with its seeds list
         backend = {"backend": r.backend} if r.backend != "simulated" else {}
-        backend |= {k: getattr(r, k).to_dict() for k in ("rotation", "kv_cache") if getattr(r, k) is not None}
+        backend |= {k: getattr(r, k).to_dict() for k in ("rotation", "kv_cache", "embedding") if getattr(r, k) is not None}
         if r.calibration is not None:  # the run's own calibration: the fields that differ from the file's
             backend["calibration"] = {f.name: getattr(r.calibration, f.name) for f in dataclasses.fields(r.calibration)
                                       if getattr(r.calibration, f.name) != getattr(exp.calibration, f.name)}
