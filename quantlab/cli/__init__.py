@@ -1,7 +1,7 @@
 """`quantlab` command line: parses arguments and calls the library, nothing more.
 
 One module per command group: run.py (run, report, compare), models.py (list, info, estimate),
-mixed.py (sensitivity, mixed), lmeval.py (lm-eval).
+mixed.py (sensitivity, mixed), lmeval.py (lm-eval), doctor.py (doctor).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from . import lmeval, mixed, models, run
+from . import doctor, lmeval, mixed, models, run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="debug logging from quantlab (e.g. the traceback of a failed run)")
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in (run, models, mixed, lmeval):
+    for group in (run, models, mixed, lmeval, doctor):
         group.add_commands(sub)
     return parser
 
