@@ -106,7 +106,12 @@ def test_bf16_slower_than_fp32_warns(monkeypatch):
     monkeypatch.setattr(doctor, "matmul_ms", lambda dtype, *a, **k: ms[dtype])
     got = statuses(doctor.half_precision_rows(CPU))
     assert got == {"bfloat16 matmul": "warn", "float16 matmul": "ok"}
-    assert doctor.matmul_ms(torch.float32, CPU, 64, 0.01) > 0  # the real timer still runs (monkeypatch is local)
+
+
+
+def test_matmul_timer_restores_threads():
+    threads = torch.get_num_threads()
+    assert doctor.matmul_ms(torch.float32, CPU, 64, 0.01) > 0 and torch.get_num_threads() == threads  # timed on 1
 
 
 def test_kernel_rows(monkeypatch):
