@@ -394,13 +394,14 @@ def tensor_bytes(model: nn.Module) -> int:
     return total
 
 
-def diagnose(model: nn.Module | None, tokenizer=None, device: torch.device = torch.device("cpu"),
+def diagnose(model: nn.Module | None, tokenizer=None, device: torch.device | None = None,
              seq_len: int | None = None, batch: int = 1, dtype: str = "float32",
              free_bytes: int | None = None, matmul_budget_s: float = 0.3) -> list[Check]:
     """Every check: the environment, then (with a model) its tensors, one probe forward, its limits and memory.
 
     >>> print(format_checks(diagnose(*load_model("smollm2-135m", device="cpu"), torch.device("cpu"))))
     """
+    device = device or torch.device("cpu")
     rows = device_rows(device) + half_precision_rows(device, budget_s=matmul_budget_s) + kernel_rows(device)
     if model is None:
         return rows
