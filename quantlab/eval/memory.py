@@ -43,7 +43,7 @@ def weight_stats(model: nn.Module) -> dict:
     """
     total = _unique_tensor_bytes(list(model.parameters()) + list(model.buffers()))
     embedding = _input_embedding(model)
-    embedding_bytes = (_unique_tensor_bytes(list(embedding.parameters()) + list(embedding.buffers()))
+    embedding_bytes = (_unique_tensor_bytes(list(embedding.parameters()) + _persistent_buffers(embedding))
                        if embedding is not None else 0)  # buffers: a QuantEmbedding's codes and scales
     # QuantLinear, and layers exported to torchao kernels (they carry storage_bytes too)
     qlayers = [m for m in model.modules() if isinstance(m, QuantLinear) or hasattr(m, "storage_bytes")]
@@ -60,6 +60,12 @@ def weight_stats(model: nn.Module) -> dict:
         "embedding_bytes": embedding_bytes,
         "weight_mib_no_embedding": (total - embedding_bytes) / MIB,
     }
+
+
+def _persistent_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """Buffers a state dict holds (a QuantEmbedding's codes and scales), not derived ones (Gemma's embed_scale)."""
+    return [b for m in module.modules() for name, b in m._buffers.items()
+            if b is not None and name not in m._non_persistent_buffers_set]
 
 
 def _input_embedding(model: nn.Module) -> nn.Module | None:
