@@ -147,7 +147,7 @@ def quantize(
     Runs method.prepare, method.calibrate (when the method needs data), method.train
     (QAT: `training` token windows, `teacher` for distillation, resumable from
     `checkpoint_dir`) and method.convert. `calibration` is an iterable of (1, T) token-id tensors.
-    summary["diagnostics"] holds what calibrate() reported (e.g. AWQ's chosen α); progress=False
+    summary["diagnostics"] holds what calibrate() and convert() reported (e.g. AWQ's chosen α); progress=False
     silences every progress bar. train_processes > 1: data-parallel QAT over that many processes.
     """
     method = get_method(config)
@@ -167,10 +167,10 @@ def quantize(
         extra = {"processes": train_processes} if train_processes > 1 else {}
         train_stats = method.train(model, config, training, teacher, checkpoint_dir, progress, **extra)
     t2b = time.perf_counter()
-    method.convert(model, config)
+    converted = method.convert(model, config) or {}  # e.g. LoRA's adapter sizes, for the row
     t3 = time.perf_counter()
     return {**train_stats,
-        "diagnostics": diagnostics,
+        "diagnostics": {**diagnostics, **converted},
         "method": method.name,
         "quantized_layers": len(quant_linears(model)),
         "prepare_s": t1 - t0,

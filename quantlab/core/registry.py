@@ -60,8 +60,10 @@ class Method:
         name, e.g. {"gptq_damp_max": 0.01}). progress=False silences every progress bar."""
         return None
 
-    def convert(self, model: nn.Module, config: Any) -> None:
-        pass
+    def convert(self, model: nn.Module, config: Any) -> dict | None:
+        """Freeze to the deployed form; may return diagnostics for the row, as calibrate() (keys prefixed with
+        the method's name, e.g. {"lora_adapter_bytes": ...})."""
+        return None
 
     def needs_training_for(self, config: Any) -> bool:
         """Whether this config has a train phase (QAT) between calibrate and convert."""

@@ -2,7 +2,8 @@
 
 Trains only what quantization touches: the float weights (and biases) of QuantLinear layers
 and any learned quantization parameters (LSQ scales / zero points). Embeddings, norms and the
-float lm_head stay fixed, so the rest of the model is the same as the PTQ model's.
+float lm_head stay fixed, so the rest of the model is the same as the PTQ model's. A caller may choose
+other parameters (`params=`): LoRA trains only its adapters over a frozen quantized base (methods/lora.py).
 
 Data: (N, T) token windows (the validation split, never test), cut into seq_len chunks and
 visited in a seeded order (one fresh permutation per epoch, a pure function of seed and epoch,
@@ -19,7 +20,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -118,10 +119,11 @@ def _fingerprint(settings: TrainSettings, extra: str, n_windows: int, names: lis
                       sort_keys=True, default=str)
 
 
-def _diverged(what: str, value: float, step: int, settings: TrainSettings, directory, last_saved: int | None):
+def _diverged(what: str, value: float, step: int, settings: TrainSettings, directory, last_saved: int | None,
+              label: str = "QAT"):
     kept = (f"the last good checkpoint (step {last_saved}) is kept in {directory}" if last_saved
             else "no checkpoint was saved before it" + ("" if settings.checkpoint_every else " (checkpoint_every = 0)"))
-    return TrainingDiverged(f"QAT {what} became {value} at step {step}/{settings.steps}; training stopped; {kept}. "
+    return TrainingDiverged(f"{label} {what} became {value} at step {step}/{settings.steps}; training stopped; {kept}. "
                             "Try a lower lr / scale_lr or grad_clip.")
 
 
@@ -144,7 +146,8 @@ def _optimizer(weights: dict, qparams: dict, settings: TrainSettings) -> torch.o
     return torch.optim.AdamW(groups, lr=settings.lr, weight_decay=settings.weight_decay)
 
 
-def _restore(state: dict, fp: str, trainable: dict, optimizer, scaler, checkpoint_dir) -> tuple[int, list, float]:
+def _restore(state: dict, fp: str, trainable: dict, optimizer, scaler, checkpoint_dir,
+             label: str = "QAT") -> tuple[int, list, float]:
     """Load a checkpoint into params / optimizer / scaler / RNG; returns (step, loss history, elapsed_s)."""
     if state.get("fingerprint") != fp:
         raise ValueError(f"checkpoint in {checkpoint_dir} was written by a different run or config; delete it to start over")
@@ -155,7 +158,7 @@ def _restore(state: dict, fp: str, trainable: dict, optimizer, scaler, checkpoin
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"])
-    log.info("resuming QAT from step %d (%s)", state["step"], checkpoint_dir)
+    log.info("resuming %s from step %d (%s)", label, state["step"], checkpoint_dir)
     return state["step"], list(state["history"]), state["elapsed_s"]
 
 
@@ -188,22 +191,27 @@ def _optimizer_step(model, teacher, batches: list[torch.Tensor], settings: Train
 def train(
     model: nn.Module, data, settings: TrainSettings, teacher: nn.Module | None = None,
     checkpoint_dir: str | Path | None = None, progress: bool = True, fingerprint: str = "", processes: int = 1,
+    params: Callable[[nn.Module], tuple[dict, dict]] = parameter_groups, label: str = "QAT",
 ) -> dict[str, Any]:
     """Train the quantized layers of `model` in place; resume from <checkpoint_dir>/latest.pt if present.
 
     processes > 1: data-parallel over that many processes (qat/distributed.py), the same global batch.
+    params: which parameters train, model -> ({name: weight} at lr, {name: quantizer param} at scale_lr); every
+    other parameter is held fixed. Default: QAT's (parameter_groups); LoRA passes its adapters (methods/lora.py).
+    A module-level function, so data-parallel ranks can apply it to their own copy. label names the run in
+    messages and the progress bar.
     Returns train_steps, train_tokens, train_s, train_loss_first, train_loss_final, train_dtype,
     train_resumed_from (0 = fresh start), train_processes.
     """
     if processes > 1 and rank_world()[1] == 1:
         return run_data_parallel(processes, train, model, data, settings, teacher, checkpoint_dir=checkpoint_dir,
-                                 progress=progress, fingerprint=fingerprint)
+                                 progress=progress, fingerprint=fingerprint, params=params, label=label)
     rank, world = rank_world()
     windows = training_windows(data, settings.seq_len)
     _check_inputs(windows, settings, teacher, checkpoint_dir)
     device = next(model.parameters()).device
     autocast = _autocast(device, settings.dtype)
-    weights, qparams = parameter_groups(model)
+    weights, qparams = params(model)
     trainable = {**weights, **qparams}
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     for name, p in model.named_parameters():
@@ -216,7 +224,7 @@ def train(
     start, history, elapsed = 0, [], 0.0
     state = load_checkpoint(checkpoint_dir)
     if state is not None:
-        start, history, elapsed = _restore(state, fp, trainable, optimizer, scaler, checkpoint_dir)
+        start, history, elapsed = _restore(state, fp, trainable, optimizer, scaler, checkpoint_dir, label)
     last_saved = start or None
     order_cache: dict = {}
     was_training = model.training
@@ -226,7 +234,7 @@ def train(
         device_ids = [device.index] if device.type == "cuda" else None
         forward = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     t0 = time.perf_counter()
-    bar = tqdm(range(start, settings.steps), desc="qat", leave=False, disable=not progress,
+    bar = tqdm(range(start, settings.steps), desc=label.lower(), leave=False, disable=not progress,
                initial=start, total=settings.steps)
     try:
         for step in bar:
@@ -239,7 +247,7 @@ def train(
                 batches.append(windows[shard(idx)].to(device))  # this rank's share of the global batch
 
             def diverged(what, value, step=step):
-                return _diverged(what, value, step + 1, settings, checkpoint_dir, last_saved)
+                return _diverged(what, value, step + 1, settings, checkpoint_dir, last_saved, label)
 
             history.append(_optimizer_step(forward, teacher, batches, settings, autocast, optimizer, scaler,
                                            list(trainable.values()), diverged))
