@@ -14,6 +14,7 @@ from .methods.awq import AWQConfig
 from .methods.dynamic import DynamicConfig
 from .methods.gptq import GPTQConfig
 from .methods.hqq import HQQConfig
+from .methods.lora import LoRAConfig
 from .methods.none import NoneConfig
 from .methods.qat import QATConfig
 from .methods.rtn import RTNConfig
@@ -28,5 +29,5 @@ __all__ = [
     "quantize", "run_calibration", "select_linears", "calibration_windows", "eval_windows", "load_token_ids",
     "measure_latency", "perplexity", "reference_logprobs", "weight_stats", "load_experiment", "parse_experiment",
     "NoneConfig", "RTNConfig", "GPTQConfig", "HQQConfig", "AWQConfig", "DynamicConfig", "StaticConfig", "SmoothQuantConfig", "load_model", "model_info", "QuantLinear", "WeightSpec", "get_method",
-    "known_methods", "make_config", "run_experiment", "QATConfig", "load_quantized", "save_quantized",
+    "known_methods", "make_config", "run_experiment", "QATConfig", "LoRAConfig", "load_quantized", "save_quantized",
 ]

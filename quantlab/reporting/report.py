@@ -73,6 +73,8 @@ def scheme(cfg: dict, dtype: str) -> str:
         text = dtype  # nothing quantized in the weights (a rotation or the KV cache may still apply)
     if cfg["method"] == "qat":
         text += f" + QAT {'LSQ' if cfg.get('learn_scales', True) else 'STE'}"
+    if cfg["method"] == "lora":  # adapters beside the codes, or merged into re-quantized codes
+        text += f" + LoRA r{cfg.get('r', 16)}{' merged' if cfg.get('merge') else ''}"
     if "act_bits" in cfg:
         kind = "dynamic" if cfg["method"] == "dynamic" else f"static {cfg.get('act_granularity', '')} {cfg.get('observer', '')}"
         act = f"a{cfg['act_bits']}" if cfg.get("act_format", "int") == "int" else f"a-{cfg['act_format']}"
