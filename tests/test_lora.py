@@ -207,3 +207,28 @@ def test_runner_row_has_lora_fields(tiny_model_dir, tmp_path):
     assert lora["weight_bytes"] == rtn["weight_bytes"] + lora["lora_adapter_bytes"]
     assert merged["weight_bytes"] == rtn["weight_bytes"] and bool(merged["lora_merged"])
     assert not (tmp_path / "cache" / "checkpoints" / lora["run_key"]).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.needs_model("smollm2-135m")
+def test_smollm2_lora_w3_steps0_is_rtn_and_a_few_steps_beat_it(wikitext_dir):
+    """SmolLM2-135M, RTN w3 g64 base: steps = 0 gives RTN's logits exactly; 6 LoRA steps x 256 tokens (KL to the
+    fp32 model, bf16 autocast) lower the perplexity of the first 2 test windows of 512 below RTN's."""
+    from quantlab.models.data import calibration_windows, eval_windows, load_token_ids
+
+    model, tok = quantlab.load_model("smollm2-135m", device="cpu")
+    ids, _ = load_token_ids("wikitext2", "test", tok, data_dir=wikitext_dir)
+    val, _ = load_token_ids("wikitext2", "validation", tok, data_dir=wikitext_dir)
+    windows, train = eval_windows(ids, 512, max_windows=2), calibration_windows(val, 6, 256, seed=0)
+    base = {"method": "rtn", "bits": 3, "group_size": 64, "symmetric": False}
+    rtn, _ = _quantized(model, quantlab.make_config(base))
+    zero, _ = _quantized(model, _lora(base, steps=0))
+    with torch.no_grad():
+        assert torch.equal(zero(windows[:1, :128]).logits, rtn(windows[:1, :128]).logits)
+    del zero
+    rtn_ppl = quantlab.perplexity(rtn, windows, progress=False)["ppl"]
+    del rtn
+    config = _lora(base, r=16, alpha=32, steps=6, seq_len=256, lr=1e-3, warmup_steps=1, dtype="bfloat16")
+    lora, stats = _quantized(model, config, train)
+    assert stats["diagnostics"]["lora_targets"] == 210
+    assert quantlab.perplexity(lora, windows, progress=False)["ppl"] < rtn_ppl
