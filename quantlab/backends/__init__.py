@@ -5,9 +5,12 @@
 
 Backends: "simulated" (keep QuantLinear: dequantize on the fly), "torchao" (export every layer
 that has a kernel on this device, the rest stay simulated with the reason), "auto" (torchao
-when it is installed, else simulated).
+when it is installed, else simulated), "onnxruntime" (an ONNX graph of the whole model with
+MatMulNBits / int8 MatMulInteger from quantlab's codes, run by an ORT session on CPU: backends/ort.py).
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -17,7 +20,7 @@ from .kernels import KERNELS, KernelChoice, choose_kernel
 from .modules import TorchaoLinear
 from .torchao import PARITY_TOLERANCE, export_torchao, export_with_parity, logits_diff, plan_export, torchao_available
 
-BACKENDS = ("simulated", "torchao", "auto")
+BACKENDS = ("simulated", "torchao", "auto", "onnxruntime")
 
 
 def check_backend(backend) -> str:
@@ -31,6 +34,9 @@ def export_model(model: nn.Module, backend: str, probe_ids: torch.Tensor | None 
     With probe_ids (B, T) the exported logits are compared with the simulated model's.
     """
     check_backend(backend)
+    if backend == "onnxruntime":
+        raise ValueError("export_model works in place; ONNX Runtime gives a new model: use "
+                         "quantlab.backends.ort.export_onnxruntime(model, path, probe_ids)")
     if backend == "simulated":
         return {"backend": "simulated", "backend_note": "PyTorch dequantizes the codes on the fly"}
     if backend == "auto" and not torchao_available():
@@ -40,14 +46,20 @@ def export_model(model: nn.Module, backend: str, probe_ids: torch.Tensor | None 
     return export_with_parity(model, probe_ids)
 
 
-def export_for_run(model: nn.Module, backend: str, method: str, probe_ids: torch.Tensor) -> dict:
-    """The runner's hook: {} for the default simulated backend (rows keep their old columns),
-    a plain 'float' for unquantized runs, else export_model's summary (with parity)."""
+def export_for_run(model: nn.Module, backend: str, method: str, probe_ids: torch.Tensor,
+                   onnx_dir=None) -> tuple[nn.Module, dict]:
+    """The runner's hook: (the model to evaluate, row fields). Simulated: (model, {}) (rows keep their old
+    columns); torchao: model exported in place, a plain 'float' for unquantized runs; onnxruntime: an
+    OrtCausalLM of the graph written to onnx_dir/model.onnx (unquantized runs too: the ORT fp32 baseline)."""
     if backend == "simulated":
-        return {}
+        return model, {}
+    if backend == "onnxruntime":
+        from .ort import export_onnxruntime
+
+        return export_onnxruntime(model, Path(onnx_dir) / "model.onnx", probe_ids)
     if method == "none":
-        return {"backend": "float", "backend_note": f"backend {backend!r}: nothing quantized to export"}
-    return export_model(model, backend, probe_ids)
+        return model, {"backend": "float", "backend_note": f"backend {backend!r}: nothing quantized to export"}
+    return model, export_model(model, backend, probe_ids)
 
 
 __all__ = ["export_for_run", "BACKENDS", "KERNELS", "KernelChoice", "PARITY_TOLERANCE", "TorchaoLinear", "check_backend",

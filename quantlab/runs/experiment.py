@@ -213,7 +213,7 @@ class RunSpec:
     config: Any
     seed: int | None = None  # set when the run is one of a `seeds` list; None: the experiment's seed
     group: str | None = None  # the run's name before seed expansion ("gptq-w4" for "gptq-w4-seed1")
-    backend: str = "simulated"  # "simulated" | "torchao" | "auto": export to real kernels before evaluating
+    backend: str = "simulated"  # "simulated" | "torchao" | "auto" | "onnxruntime": real kernels for evaluating
     rotation: Any = None  # a RotationConfig (or its table): rotate the float model before quantizing
     kv_cache: Any = None  # a KVCacheConfig (or its table): quantize the keys and values attention uses
     embedding: Any = None  # an EmbeddingQuantConfig (or its table): the input embedding (and a tied head) as codes
@@ -315,6 +315,10 @@ class Experiment:
                                  f"embedding, which "
                                  f"the isolated memory process (it reloads the model) does not replay; set "
                                  f"[eval] memory = \"none\" for this experiment")
+            if r.backend == "onnxruntime":
+                from ..backends.ort import check_ort_run
+
+                check_ort_run(self, r)
             if r.kv_cache is not None and self.eval.metric != "perplexity":
                 raise ValueError(f"experiment {self.name!r}: run {r.name!r}: kv_cache applies to decoder "
                                  f"(perplexity) experiments, not to metric {self.eval.metric!r}")

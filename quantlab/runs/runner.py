@@ -225,7 +225,8 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
                        checkpoint_dir=checkpoints if needs_train else None, progress=ctx.progress,
                        train_processes=exp.execution.qat_processes)
     isolated = _isolated_memory(ctx, run, model, method.name) if exp.eval.memory == "isolated" else {}
-    exported = export_for_run(model, run.backend, method.name, ctx.eval_ids[:64].unsqueeze(0))
+    onnx_dir = Path(ctx.cache_dir or default_cache_dir()) / "onnx" / run_key(exp, run, ctx.device)
+    evaluated, exported = export_for_run(model, run.backend, method.name, ctx.eval_ids[:64].unsqueeze(0), onnx_dir)
     if run.embedding is not None:  # after the linears: methods calibrate with the float embedding, as it was
         exported |= quantize_embedding(model, run.embedding)
     if run.kv_cache is not None:  # the keys and values attention uses, in the harness and in the decode cache
@@ -233,7 +234,7 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
     ctx.check_reference()
     reset_peak_memory(ctx.device)  # CUDA: the measured phase (evaluation + latency) starts here
     t0 = time.perf_counter()
-    row = (_embedding_metrics if exp.eval.metric == "embedding" else _perplexity_metrics)(ctx, model)
+    row = (_embedding_metrics if exp.eval.metric == "embedding" else _perplexity_metrics)(ctx, evaluated)
     row["eval_s"] = time.perf_counter() - t0 - (row.get("kl_reference_s") or 0.0)  # this model's evaluation
     if exp.eval.lm_eval_tasks:  # the model as evaluated above; its time is lmeval_s, not in eval_s
         e = exp.eval
@@ -242,12 +243,13 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
     if exp.eval.latency:
         prompt = ctx.eval_ids[: exp.eval.prefill_tokens].unsqueeze(0)
         new_tokens = exp.eval.decode_tokens if exp.eval.metric == "perplexity" else 0
-        row.update(measure_latency(model, prompt, new_tokens, repeats=exp.eval.latency_repeats, kv=run.kv_cache))
+        row.update(measure_latency(evaluated, prompt, new_tokens, repeats=exp.eval.latency_repeats,
+                                   kv=run.kv_cache))
     if isolated:  # every memory column from the fresh process (or memory_probe saying why there are none)
         row.update(isolated)
     elif ctx.device.type == "cuda":  # CPU: no in-process per-run peak exists (eval/memory.py)
         row.update(peak_memory_mib(ctx.device), memory_probe=IN_PROCESS_CUDA)
-    row.update(weight_stats(model))
+    row.update(weight_stats(model))  # the quantized PyTorch model's storage (onnxruntime: ort_model_mib too)
     row.update({k: v for k, v in summary.items() if k.endswith("_s") or k.startswith("train_")})
     row.update(summary["diagnostics"])  # what calibrate() reported, e.g. AWQ's chosen alphas
     row.update(exported)
@@ -257,7 +259,7 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
     if needs_calib or needs_train:
         c = calib_protocol
         row.update(calib_source=ctx.calib_sources[c], calib_samples=c.num_samples, calib_seq_len=c.seq_len)
-    del model
+    del model, evaluated
     if needs_train and checkpoints.exists():  # the row is about to be saved: the run will not resume
         shutil.rmtree(checkpoints)
     return row

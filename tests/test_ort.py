@@ -1,0 +1,147 @@
+"""ONNX Runtime backend: MatMulNBits packing, the exported graph's parity with the simulated model, decode with
+past_key_values, float fallbacks named, clear errors. References: the simulated QuantLinear (exact where the
+same dequantized weights meet; a stated tolerance where ORT sums in another order or in int32)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import quantlab
+from quantlab.backends import ort as ort_backend
+from quantlab.backends.ort_pack import block_size_for, dequantize_matmul_nbits, pack_matmul_nbits
+from quantlab.core.lifecycle import quant_linears
+from quantlab.core.qlinear import QuantLinear, WeightSpec
+from quantlab.core.packing import unpack
+
+
+def _frozen_layer(k: int, n: int, spec: WeightSpec, seed: int = 0) -> QuantLinear:
+    gen = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(k, n, bias=False)
+    linear.weight.data = torch.randn(n, k, generator=gen)
+    layer = QuantLinear.from_linear(linear, spec)
+    quantlab.core.lifecycle.freeze_all(torch.nn.Sequential(layer))
+    return layer
+
+
+@pytest.mark.parametrize("bits,group_size,symmetric,k", [
+    (4, 32, False, 128), (4, 64, True, 192), (4, 128, False, 576), (4, None, False, 96), (8, None, True, 576),
+    (8, 64, False, 80), (4, 16, True, 40)])
+def test_matmul_nbits_packing_round_trips_quantlab_codes_exactly(bits, group_size, symmetric, k):
+    """pack -> MatMulNBits' own dequantization formula == the frozen layer's dequantized weight (atol 0),
+    including per-channel (scales repeated per block) and K not a multiple of the block (padded)."""
+    layer = _frozen_layer(k, 24, WeightSpec(bits=bits, group_size=group_size, symmetric=symmetric))
+    codes = unpack(layer.qweight, bits, 24 * k).view(24, k)
+    packed, scales, zeros, block = pack_matmul_nbits(codes, layer.scale, None if symmetric else layer.zero_u,
+                                                     bits, group_size)
+    assert block == block_size_for(group_size, k) and packed.shape == (24, -(-k // block), block * bits // 8)
+    w = dequantize_matmul_nbits(packed, scales, zeros, k, 24, bits, block)
+    assert torch.equal(w, layer.quantized_weight(torch.float32))
+
+
+def test_ort_linear_eager_forward_equals_the_simulated_layer():
+    layer = _frozen_layer(128, 32, WeightSpec(bits=4, group_size=32, symmetric=False))
+    x = torch.randn(3, 5, 128)
+    assert torch.equal(ort_backend.OrtLinearNBits(layer, 0)(x), layer(x))
+
+
+def _quantized_tiny(tiny_model, config: dict):
+    model = copy.deepcopy(tiny_model[0])
+    quantlab.quantize(model, quantlab.make_config(config))
+    return model
+
+
+@pytest.mark.parametrize("config,kernel,tol", [
+    ({"method": "rtn", "bits": 4, "group_size": 32, "symmetric": False}, "matmul_nbits", 1e-5),
+    ({"method": "rtn", "bits": 8}, "matmul_nbits", 1e-5),
+    ({"method": "dynamic"}, "a8w8", 1e-2),
+])
+def test_ort_export_matches_the_simulated_model_and_decodes_with_its_cache(tiny_model, tmp_path, config, kernel,
+                                                                           tol):
+    """Logits of the ORT session vs the simulated model on the same ids: relative RMS <= tol (weight-only: the
+    same dequantized weights in another fp32 summation order; W8A8: the same codes, int32 sums). Decoding one
+    token on the returned past_key_values equals the full forward's last position (1e-5)."""
+    model = _quantized_tiny(tiny_model, config)
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    ort_model, summary = ort_backend.export_onnxruntime(model, tmp_path / "m.onnx", ids)
+    assert summary["backend"] == "onnxruntime" and summary["backend_kernels"] == f"{kernel}:14"
+    assert summary["export_parity_ok"] and summary["export_parity_logits_rel_rms"] <= tol
+    first = ort_model(ids[:, :16], use_cache=True, logits_to_keep=1)
+    assert first.logits.shape == (2, 1, 300)
+    step = ort_model(ids[:, 16:17], use_cache=True, past_key_values=first.past_key_values)
+    full = ort_model(ids[:, :17]).logits[:, -1]
+    assert step.past_key_values.get_seq_length() == 17
+    torch.testing.assert_close(step.logits[:, -1], full, rtol=0, atol=1e-5)
+
+
+def test_layers_without_an_ort_kernel_stay_float_and_are_named(tiny_model, tmp_path):
+    model = _quantized_tiny(tiny_model, {"method": "rtn", "bits": 3, "group_size": 32})
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(1))
+    _, summary = ort_backend.export_onnxruntime(model, tmp_path / "m.onnx", ids)
+    assert summary["backend"] == "onnxruntime+float" and summary["ort_float_layers"] == 14
+    assert "w3: MatMulNBits takes 4 or 8 bits (14 layers)" in summary["backend_note"]
+    assert summary["export_parity_logits_rel_rms"] <= 1e-5  # the float fallback is the dequantized weight
+
+
+def test_ort_missing_names_the_extra(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(ort_backend, "ort_available", lambda: False)
+    model = _quantized_tiny(tiny_model, {"method": "rtn", "bits": 4, "group_size": 32})
+    with pytest.raises(ImportError, match=r"quantlab\[ort\]"):
+        ort_backend.export_onnxruntime(model, tmp_path / "m.onnx")
+
+
+def test_a_float_model_exports_as_the_ort_fp32_baseline_and_reloads(tiny_model, tmp_path):
+    """No QuantLinear: every linear an fp32 MatMul; the exported file reloads with load_ort (same logits)."""
+    model = copy.deepcopy(tiny_model[0])
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(2))
+    ort_model, summary = ort_backend.export_onnxruntime(model, tmp_path / "model.onnx", ids)
+    assert summary["backend_kernels"] == "" and summary["backend_note"].startswith("float model")
+    assert summary["export_parity_logits_rel_rms"] <= 1e-5
+    assert torch.equal(ort_backend.load_ort(tmp_path)(ids).logits, ort_model(ids).logits)
+
+
+def test_ort_export_rejects_bad_input(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match="exports float32 models"):
+        ort_backend.export_onnxruntime(copy.deepcopy(tiny_model[0]).to(torch.bfloat16), tmp_path / "m.onnx")
+    model = _quantized_tiny(tiny_model, {"method": "rtn", "bits": 4, "group_size": 32})
+    with pytest.raises(ValueError, match=r"accuracy_level must be one of \(0, 4\), got 2"):
+        ort_backend.export_onnxruntime(model, tmp_path / "m.onnx", accuracy_level=2)
+    assert {n for n, m in quant_linears(model).items()} and all(isinstance(m, QuantLinear)
+                                                               for m in quant_linears(model).values())
+
+
+def test_an_experiment_run_evaluates_in_onnxruntime(tiny_model_dir, tmp_path):
+    """backend = "onnxruntime" in an experiment file: perplexity and latency run in the ORT session; its ppl
+    equals the simulated run's to 1e-5 relative (the same dequantized weights, another summation order)."""
+    from quantlab.runs.experiment import parse_experiment
+    from quantlab.runs.runner import run_experiment
+    from quantlab.runs.results import read_rows
+
+    w4 = {"method": "rtn", "bits": 4, "group_size": 32, "symmetric": False}
+    runs = [{"name": "w4", **w4}, {"name": "w4-ort", **w4, "backend": "onnxruntime"}]
+    exp = parse_experiment({"name": "tiny_ort", "model": str(tiny_model_dir), "device": "cpu",
+                            "eval": {"dataset": str(tiny_model_dir / "sample.txt"), "seq_len": 32, "max_windows": 3,
+                                     "kl_windows": 2, "latency": True, "prefill_tokens": 8, "decode_tokens": 2,
+                                     "latency_repeats": 1}, "run": runs})
+    run_experiment(exp, tmp_path, cache_dir=tmp_path / "cache", progress=False)
+    rows = {r["run"]: r for r in read_rows(tmp_path / "tiny_ort.results.jsonl")}
+    assert rows["w4-ort"]["backend"] == "onnxruntime" and rows["w4-ort"]["export_parity_ok"]
+    assert rows["w4-ort"]["ppl"] == pytest.approx(rows["w4"]["ppl"], rel=1e-5)
+    assert rows["w4-ort"]["decode_ms_per_token_p50"] > 0
+    assert (tmp_path / "cache" / "onnx").exists()
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"kv_cache": {"bits": 8}}, "does not export a quantized KV cache"),
+    ({"embedding": {"bits": 8}}, "does not export a quantized embedding"),
+])
+def test_ort_runs_that_cannot_export_fail_before_loading(tiny_model_dir, extra, message):
+    from quantlab.runs.experiment import parse_experiment
+
+    runs = [{"name": "w4", "method": "rtn", "bits": 4, "backend": "onnxruntime", **extra}]
+    with pytest.raises(ValueError, match=message):
+        parse_experiment({"name": "bad", "model": str(tiny_model_dir), "run": runs})
+    with pytest.raises(ValueError, match="exports float32 models; dtype is 'bfloat16'"):
+        parse_experiment({"name": "bad", "model": str(tiny_model_dir), "dtype": "bfloat16",
+                          "run": [{"name": "w4", "method": "rtn", "bits": 4, "backend": "onnxruntime"}]})
