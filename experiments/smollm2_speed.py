@@ -1,4 +1,4 @@
-"""SmolLM2-135M speed and memory on this CPU: fp32 vs bf16 vs int8 weight-only vs W8A8 vs int4 (bf16).
+"""SmolLM2-135M speed and memory on this CPU: fp32 vs bf16 vs int8 weight-only vs W8A8 vs int4, PyTorch/torchao vs ONNX Runtime.
 
     python3 experiments/smollm2_speed.py --threads 1            # ~20 min on a 2-core CPU
     python3 experiments/smollm2_speed.py --smoke                # ~2 min: tiny shapes, 1 round
@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -36,12 +37,21 @@ from quantlab.reporting.report import markdown_table  # noqa: E402
 from quantlab.runs.envinfo import environment  # noqa: E402
 
 MODEL = "smollm2-135m"
+INT4 = {"method": "rtn", "bits": 4, "group_size": 64, "symmetric": False}
 CONFIGS = [
     BenchConfig("fp32"),
     BenchConfig("bf16", dtype="bfloat16"),
     BenchConfig("int8-wo", {"method": "rtn", "bits": 8}),
     BenchConfig("w8a8-dynamic", {"method": "dynamic"}),
     BenchConfig("int4-g64-bf16", {"method": "rtn", "bits": 4, "group_size": 64, "symmetric": False}),
+    # ONNX Runtime (CPU EP): the whole model as one graph; quantized linears from quantlab's codes (backends/ort.py)
+    BenchConfig("ort-fp32", backend="onnxruntime"),
+    BenchConfig("ort-int8", {"method": "rtn", "bits": 8}, backend="onnxruntime", ort_accuracy_level=4),
+    BenchConfig("ort-int4-g32", INT4 | {"group_size": 32}, backend="onnxruntime", ort_accuracy_level=4),
+    BenchConfig("ort-int4-g64", INT4, backend="onnxruntime", ort_accuracy_level=4),
+    BenchConfig("ort-int4-g128", INT4 | {"group_size": 128}, backend="onnxruntime", ort_accuracy_level=4),
+    BenchConfig("ort-int4-g64-acc0", INT4, backend="onnxruntime", ort_accuracy_level=0),
+    BenchConfig("ort-w8a8", {"method": "dynamic"}, backend="onnxruntime"),
 ]
 
 
@@ -79,7 +89,9 @@ def _estimate(cfg: BenchConfig, model_config, batch: int, seq_len: int, summary:
 
 def _memory(cfg: BenchConfig, save_dir: Path, batch: int, prefill: int, decode: int, threads: int) -> dict:
     spec = {"batch": batch, "prefill_tokens": prefill, "decode_tokens": decode, "threads": threads}
-    if cfg.quant is None:
+    if cfg.backend == "onnxruntime":  # the exported graph, loaded in a fresh ORT session
+        spec |= {"onnx_dir": str(save_dir / cfg.name)}
+    elif cfg.quant is None:
         spec |= {"model": MODEL, "dtype": cfg.dtype}
     else:
         spec |= {"quantized_dir": str(save_dir / cfg.name), "backend": cfg.backend}
@@ -105,7 +117,8 @@ def main(argv=None) -> int:
     base, tok = load_model(MODEL, "float32", "cpu")
     probe = torch.randint(0, base.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
     save_dir = Path(tempfile.mkdtemp(prefix="quantlab-speed-"))
-    models = {c.name: prepare(c, base, probe, save_dir / c.name if c.quant else None, MODEL) for c in CONFIGS}
+    models = {c.name: prepare(c, base, probe, save_dir / c.name if c.quant or c.backend == "onnxruntime" else None,
+                              MODEL) for c in tqdm(CONFIGS, desc="prepare", disable=args.quiet)}
     shapes = [(b, prefill, decode) for b in batches]
     rows = interleaved_latency(models, shapes, rounds=rounds, progress=not args.quiet)
     del models
@@ -162,7 +175,16 @@ def _markdown(df, prefill, decode, rounds, threads, wall_s) -> str:
         "activation grid), `int4_cpu` (torchao Int4OpaqueTensor, tinygemm CPU kernel; computes in bf16, so the "
         "whole int4 model runs in bf16). Kernel parity: every exported layer's output vs its simulated "
         "(dequantized) output on a random input, max relative error, gated per kernel "
-        f"(all passed: {bool(parity['export_parity_ok'].all()) if len(parity) else 'n/a'}).",
+        f"(all passed: {bool(parity['export_parity_ok'].all()) if len(parity) else 'n/a'}). "
+        "`onnxruntime`: the whole model exported by `torch.onnx.export` (dynamo) and run by an ONNX Runtime CPU "
+        "session, the KV cache as graph inputs/outputs; its quantized linears carry quantlab's codes (nothing "
+        "re-quantized): `matmul_nbits` is `com.microsoft::MatMulNBits` (blocks = groups, quantlab's zero points; "
+        "`ort-int8` and the int4 rows at accuracy_level 4, which quantizes activations to int8 per block inside "
+        "the kernel, `-acc0` at accuracy_level 0, fp32 math on the same dequantized weights), `a8w8` is "
+        "quantlab's per-token int8 activation grid computed in the graph + `MatMulInteger` (uint8 x int8, exact "
+        "int32 sums). ORT parity: relative RMS of the logits vs the simulated PyTorch model on 64 probe tokens, "
+        "gated by `PARITY_RMS_TOLERANCE` in quantlab/backends/ort.py; weights MiB of ORT rows is the size of the "
+        "ONNX file and its external data.",
         "**Memory.** Peak RSS of a fresh subprocess per configuration and batch: the model is loaded "
         "(float: from the checkpoint; quantized: `load_quantized` of the saved codes, then exported), the "
         "freed heap is returned to the OS (`malloc_trim`), the peak is reset (`/proc/self/clear_refs`), and one "

@@ -101,7 +101,7 @@ def test_peak_memory_of_a_quantized_model_in_a_subprocess(tiny_model_dir, tmp_pa
 def test_memprobe_rejects_bad_specs():
     with pytest.raises(ValueError, match="unknown memprobe key"):
         measure_peak_memory({"allocate": 1})
-    with pytest.raises(ValueError, match="needs 'model', 'quantized_dir' or 'allocate_mib'"):
+    with pytest.raises(ValueError, match="needs 'model', 'quantized_dir', 'onnx_dir' or 'allocate_mib'"):
         measure_peak_memory({"batch": 2})
     with pytest.raises(ValueError, match="unknown memprobe allocator 'jemalloc'; valid: fixed-mmap, default"):
         measure_peak_memory({"allocate_mib": 1, "allocator": "jemalloc"})

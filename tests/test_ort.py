@@ -145,3 +145,16 @@ def test_ort_runs_that_cannot_export_fail_before_loading(tiny_model_dir, extra, 
     with pytest.raises(ValueError, match="exports float32 models; dtype is 'bfloat16'"):
         parse_experiment({"name": "bad", "model": str(tiny_model_dir), "dtype": "bfloat16",
                           "run": [{"name": "w4", "method": "rtn", "bits": 4, "backend": "onnxruntime"}]})
+
+
+def test_memprobe_loads_an_exported_graph_in_a_fresh_session(tiny_model, tmp_path):
+    """The speed report's memory column for ORT rows: a child process loads directory/model.onnx and runs one
+    prefill + decode pass; its peak RSS is at least what it held once loaded (reference: its own VmRSS)."""
+    from quantlab.eval.memprobe import measure_peak_memory
+
+    model = _quantized_tiny(tiny_model, {"method": "rtn", "bits": 4, "group_size": 32})
+    ort_backend.export_onnxruntime(model, tmp_path / "model.onnx")
+    row = measure_peak_memory({"onnx_dir": str(tmp_path), "batch": 1, "prefill_tokens": 8, "decode_tokens": 2,
+                               "threads": 1})
+    assert row["backend"] == "onnxruntime" and row["decode_tokens"] == 2
+    assert row["peak_rss_mib"] >= row["loaded_rss_mib"] > 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -39,6 +40,7 @@ class BenchConfig:
     dtype: str = "float32"
     backend: str = "torchao"
     torchao_config: str | None = None  # "float8_dynamic"
+    ort_accuracy_level: int = 0  # backend "onnxruntime": MatMulNBits accuracy_level (0 fp32, 4 int8 activations)
     note: str = ""
     meta: dict = field(default_factory=dict)
 
@@ -59,7 +61,8 @@ def estimate_for(cfg: BenchConfig, model_config, batch: int, seq_len: int, summa
         q = cfg.quant or {}
         bits = q.get("bits", 8 if q.get("method") == "dynamic" else None)
         group_size, symmetric = q.get("group_size"), q.get("symmetric", True)
-    backend = "torchao" if str(summary.get("backend", "")).startswith("torchao") else "simulated"
+    # ORT stores packed codes as torchao does (MatMulNBits: codes + scales + zero points)
+    backend = "torchao" if str(summary.get("backend", "")).startswith(("torchao", "onnxruntime")) else "simulated"
     return estimate_memory(model_config, bits=bits, group_size=group_size, seq_len=seq_len, batch=batch,
                            dtype=summary.get("export_dtype", cfg.dtype), symmetric=symmetric, backend=backend,
                            device=device, overhead_mib=overhead_mib)
@@ -80,6 +83,17 @@ def prepare(cfg: BenchConfig, base_model, probe_ids: torch.Tensor | None = None,
     save_dir: also save the frozen quantized model there (before export), for a memprobe subprocess.
     """
     model = copy.deepcopy(base_model).to(resolve_dtype(cfg.dtype)).eval()
+    if cfg.backend == "onnxruntime":  # float or quantized: the whole model becomes an ORT session
+        from ..backends.ort import export_onnxruntime
+
+        if cfg.quant is not None:
+            quantize(model, make_config(cfg.quant))
+        if save_dir is None:
+            raise ValueError(f"{cfg.name}: backend 'onnxruntime' writes its graph to save_dir; pass one")
+        ort_model, summary = export_onnxruntime(model, Path(save_dir) / "model.onnx", probe_ids,
+                                                cfg.ort_accuracy_level)
+        scheme = ", ".join(f"{k}={v}" for k, v in cfg.quant.items()) if cfg.quant else cfg.dtype
+        return ort_model, summary | {"scheme": scheme}
     if cfg.torchao_config:
         return model, _torchao_float8(model) | {"scheme": cfg.torchao_config}
     if cfg.quant is None:
@@ -125,7 +139,7 @@ def interleaved_latency(models: dict, shapes: list[tuple[int, int, int]], rounds
             "decode_ms_per_token_p90": med("decode_ms_per_token_p90"),
             "decode_tokens_per_s": med("decode_tokens_per_s"), "rounds": rounds,
             "cpu_threads": runs[0]["cpu_threads"], **summary,
-            "weight_mib": weight_stats(model)["weight_mib"],
+            "weight_mib": summary.get("ort_model_mib") or weight_stats(model)["weight_mib"],  # ORT: the file
         })
     return rows
 
@@ -154,4 +168,5 @@ SPEED_COLUMNS = [
     ("peak_vram_mib", "peak VRAM MiB", "{:.0f}"),
     ("est_total_mib", "estimate MiB", "{:.0f}"), ("est_error_pct", "est. error %", "{:+.1f}"),
     ("export_parity_layer_max_rel", "kernel parity (layer max rel)", "{:.1e}"),
+    ("export_parity_logits_rel_rms", "logits parity (rel RMS)", "{:.1e}"),
 ]

@@ -36,7 +36,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 MIB = 2**20
-SPEC_KEYS = {"model", "quantized_dir", "dtype", "backend", "batch", "prefill_tokens", "decode_tokens",
+SPEC_KEYS = {"model", "quantized_dir", "onnx_dir", "dtype", "backend", "batch", "prefill_tokens", "decode_tokens",
              "threads", "device", "allocate_mib", "seed", "allocator", "cache_dir"}
 ALLOCATORS = {"fixed-mmap": {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}, "default": {}}
 
@@ -88,6 +88,10 @@ def _load(spec: dict):
     from ..models.loading import resolve_model_path
 
     device = spec.get("device", "cpu")
+    if spec.get("onnx_dir"):  # an ONNX Runtime session of an exported model (backends/ort.py)
+        from ..backends.ort import load_ort
+
+        return load_ort(spec["onnx_dir"]), {"backend": "onnxruntime"}
     if spec.get("quantized_dir"):
         model = load_quantized(spec["quantized_dir"], device=device)
     else:
@@ -139,7 +143,8 @@ def _child(spec: dict) -> dict:
         return out | {"baseline_rss_mib": base, "peak_rss_mib": _lifetime_peak_mib(), "peak_reset": reset}
     model, summary = _load(spec)
     out.update(summary)
-    out.update({k: v for k, v in weight_stats(model).items() if k in ("weight_bytes", "weight_mib")})
+    if not spec.get("onnx_dir"):  # an ORT session holds its weights outside PyTorch
+        out.update({k: v for k, v in weight_stats(model).items() if k in ("weight_bytes", "weight_mib")})
     gen = torch.Generator().manual_seed(int(spec.get("seed", 0)))
     batch, n = int(spec.get("batch", 1)), int(spec.get("prefill_tokens", 128))
     prompt = torch.randint(0, model.config.vocab_size, (batch, n), generator=gen)
@@ -164,8 +169,8 @@ def measure_peak_memory(spec: dict, timeout_s: float = 900) -> dict:
     unknown = sorted(set(spec) - SPEC_KEYS)
     if unknown:
         raise ValueError(f"unknown memprobe key(s) {', '.join(unknown)}; valid: {', '.join(sorted(SPEC_KEYS))}")
-    if "allocate_mib" not in spec and not (spec.get("model") or spec.get("quantized_dir")):
-        raise ValueError("memprobe spec needs 'model', 'quantized_dir' or 'allocate_mib'")
+    if "allocate_mib" not in spec and not (spec.get("model") or spec.get("quantized_dir") or spec.get("onnx_dir")):
+        raise ValueError("memprobe spec needs 'model', 'quantized_dir', 'onnx_dir' or 'allocate_mib'")
     allocator = spec.get("allocator", "fixed-mmap")
     if allocator not in ALLOCATORS:
         raise ValueError(f"unknown memprobe allocator {allocator!r}; valid: {', '.join(ALLOCATORS)}")
