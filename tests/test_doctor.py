@@ -103,7 +103,7 @@ def test_memory_too_small_is_an_error_with_a_hint(tiny_model):
 
 def test_bf16_slower_than_fp32_warns(monkeypatch):
     ms = {torch.float32: 1.0, torch.bfloat16: 3.0, torch.float16: 0.5}
-    monkeypatch.setattr(doctor, "matmul_ms", lambda dtype, *a, **k: ms[dtype])
+    monkeypatch.setattr(doctor.environment, "matmul_ms", lambda dtype, *a, **k: ms[dtype])
     got = statuses(doctor.half_precision_rows(CPU))
     assert got == {"bfloat16 matmul": "warn", "float16 matmul": "ok"}
 
@@ -123,6 +123,21 @@ def test_kernel_rows(monkeypatch):
     monkeypatch.setattr(quantlab.backends, "torchao_available", lambda: False)
     rows = doctor.kernel_rows(CPU)
     assert all(r.status == "warn" for r in rows) and "pip install torchao" in rows[0].hint
+
+
+def test_ort_kernel_rows(monkeypatch):
+    """backend onnxruntime's plan per scheme (backends/ort.py ort_kind): int4/int8 MatMulNBits, w8a8 MatMulInteger,
+    3-bit a float MatMul (warned); without onnxruntime one warning naming the extra."""
+    rows = {r.name: r for r in doctor.ort_kernel_rows()}
+    assert rows["onnxruntime"].status == "ok" and "CPUExecutionProvider" in rows["onnxruntime"].detail
+    assert rows["ort int4 g64 weight-only"].detail == "matmul_nbits"
+    assert rows["ort int8 dynamic (w8a8)"].detail == "a8w8"
+    assert rows["ort int3 g64 weight-only"].status == "warn" and "w3" in rows["ort int3 g64 weight-only"].detail
+    import quantlab.backends.ort
+
+    monkeypatch.setattr(quantlab.backends.ort, "ort_available", lambda: False)
+    (row,) = doctor.ort_kernel_rows()
+    assert row.status == "warn" and "quantlab[ort]" in row.hint
 
 
 def test_mps_requested_without_mps(monkeypatch, capsys):

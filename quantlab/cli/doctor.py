@@ -1,4 +1,4 @@
-"""`quantlab doctor`: the quantization debugging checklist (quantlab/doctor.py) as one table; exit 1 on errors.
+"""`quantlab doctor`: the quantization debugging checklist (quantlab/doctor/) as one table; exit 1 on errors.
 
     quantlab doctor                                    # this machine: torch, devices, bf16 speed, kernels
     quantlab doctor smollm2-135m --device cpu          # + the model's tensors, one probe forward, limits, memory

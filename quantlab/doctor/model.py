@@ -1,28 +1,15 @@
-"""`quantlab doctor`: the quantization debugging checklist as pure checks over a model, its config and a device.
-
-    rows = diagnose(model, tokenizer, torch.device("cpu"), seq_len=512)
-    print(format_checks(rows))          # one line per check: ok / warn / error, what was seen, what to do
-    exit_code(rows)                     # 1 when any check is an error
-
-Every check returns Check rows and changes nothing; the model checks take any nn.Module, so a test
-can hand them a crafted bad model (a NaN weight, a parameter on `meta`, an injected outlier).
-The environment checks (device_rows, half_precision_rows, kernel_rows) need no model.
-"""
+"""Model checks: placement, dtypes, finite weights and activations, outlier channels, positions, memory."""
 from __future__ import annotations
 
 import inspect
-import os
-import statistics
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .core.checks import check_choice
+from .checks import Check
 
-STATUSES = ("ok", "warn", "error")
 # max |x| / median |x| over the input channels of a linear (each channel's max over the probe tokens) above
 # which the input has outlier channels that per-tensor / per-token activation quantization spends its grid on:
 # the SmoothQuant / rotation signal. Measured on PROBE_TEXT: the tiny random Llama <= 3x; SmolLM2-135M median 13x over
@@ -31,142 +18,6 @@ OUTLIER_RATIO_WARN = 100.0
 PROBE_TEXT = ("The tower is 324 metres tall, about the same height as an 81-storey building, and the tallest "
               "structure in Paris. Its base is square, measuring 125 metres on each side.")
 
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    status: str  # ok | warn | error
-    detail: str
-    hint: str = ""
-
-    def __post_init__(self):
-        check_choice("check status", self.status, STATUSES)
-
-
-def exit_code(rows: list[Check]) -> int:
-    return 1 if any(r.status == "error" for r in rows) else 0
-
-
-def format_checks(rows: list[Check]) -> str:
-    """A table: status, check, detail; a hint line under each row that is not ok; a count at the end."""
-    width = max([len(r.name) for r in rows] + [5])
-    lines = [f"{'status':<7}{'check':<{width + 2}}detail"]
-    for r in rows:
-        lines.append(f"{r.status:<7}{r.name:<{width + 2}}{r.detail}")
-        if r.hint and r.status != "ok":
-            lines.append(f"{'':<{width + 9}}hint: {r.hint}")
-    counts = Counter(r.status for r in rows)
-    lines.append(", ".join(f"{counts[s]} {s}" for s in STATUSES))
-    return "\n".join(lines)
-
-
-# ---- environment -------------------------------------------------------------------------------------------
-
-def device_rows(device: torch.device) -> list[Check]:
-    """torch version and CPU threads; CUDA and MPS availability (an error only for the device asked for)."""
-    threads, cores = torch.get_num_threads(), os.cpu_count() or 1
-    rows = [Check("torch", "warn" if threads == 1 < cores else "ok",
-                  f"{torch.__version__}; {threads} CPU threads on {cores} cores",
-                  "torch.set_num_threads(os.cpu_count()) (or unset OMP_NUM_THREADS)")]
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        cuda = Check("cuda", "ok", f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} device(s): {props.name} "
-                                   f"(cc {props.major}.{props.minor}, {props.total_memory / 2**30:.0f} GiB)")
-    else:
-        cuda = Check("cuda", "error" if device.type == "cuda" else "ok",
-                     f"not available (torch built with CUDA {torch.version.cuda or 'none'})",
-                     "install a CUDA build of torch, or use --device cpu")
-    mps = getattr(torch.backends, "mps", None)
-    mps_ok = bool(mps is not None and mps.is_available())
-    return rows + [cuda, Check("mps", "error" if device.type == "mps" and not mps_ok else "ok",
-                               "available" if mps_ok else "not available", "Apple silicon only; use --device cpu")]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def matmul_ms(dtype: torch.dtype, device: torch.device, size: int = 512, budget_s: float = 0.3) -> float:
-    """Median time of one (size x size) @ (size x size) matmul in `dtype`, repeated for ~budget_s (3..50 times).
-
-    On CPU with one thread (restored after): the dtype ratio is what the check needs, and a thread pool on a
-    busy machine times the scheduler instead (seen here: 8 / 16 / 32 ms steps for any size and dtype)."""
-    gen = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(size, size, generator=gen).to(device, dtype) for _ in range(2))
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    try:
-        a @ b  # warm-up (kernel selection, first-touch)
-        _sync(device)
-        times, start = [], time.perf_counter()
-        while len(times) < 3 or (time.perf_counter() - start < budget_s and len(times) < 50):
-            t0 = time.perf_counter()
-            a @ b
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(threads)
-    return 1e3 * statistics.median(times)
-
-
-def half_precision_rows(device: torch.device, size: int = 512, budget_s: float = 0.3) -> list[Check]:
-    """bf16 / fp16 matmul on `device`: supported? its speed vs fp32 (warn where slower: AVX2 CPUs without
-    bf16 units convert and compute in fp32). Three timings of ~budget_s each."""
-    fp32 = matmul_ms(torch.float32, device, size, budget_s)
-    rows = []
-    for dtype in (torch.bfloat16, torch.float16):
-        name = str(dtype).removeprefix("torch.")
-        try:
-            ms = matmul_ms(dtype, device, size, budget_s)
-        except (RuntimeError, TypeError) as e:
-            rows.append(Check(f"{name} matmul", "warn", f"not supported on {device.type}: {str(e)[:80]}",
-                              "keep dtype float32 on this device"))
-            continue
-        ratio = ms / fp32
-        slower = ratio > 1.0
-        rows.append(Check(
-            f"{name} matmul", "warn" if slower else "ok",
-            f"{size}x{size} matmul {ms:.2f} ms vs float32 {fp32:.2f} ms ({ratio:.2f}x the time) on {device.type}"
-            + (" (1 thread)" if device.type == "cpu" else ""),
-            f"{name} is slower than float32 here: keep dtype float32 (torchao's int4 kernels compute in bf16)"))
-    return rows
-
-
-def kernel_rows(device: torch.device) -> list[Check]:
-    """For each scheme, the torchao kernel quantlab exports it to on `device` (backends/kernels.py's table),
-    or why backend "torchao" / "auto" would keep it simulated, i.e. dequantize the codes on every forward."""
-    from .backends import choose_kernel, torchao_available
-    from .core.activations import DynamicActQuant
-    from .core.qlinear import QuantLinear, WeightSpec
-
-    schemes = {"int8 weight-only": (WeightSpec(bits=8), False), "int8 dynamic (w8a8)": (WeightSpec(bits=8), True),
-               "int4 g64 weight-only": (WeightSpec(bits=4, group_size=64), False),
-               "fp8_e4m3 weight-only": (WeightSpec(format="fp8_e4m3"), False)}
-    have_torchao, rows = torchao_available(), []
-    for scheme, (spec, dynamic) in schemes.items():
-        layer = QuantLinear.from_linear(nn.Linear(256, 8, bias=False), spec)
-        layer.freeze()
-        layer.act_quant = DynamicActQuant(8) if dynamic else None
-        choice = choose_kernel(layer, device)
-        if choice.kernel is None:
-            rows.append(Check(f"kernel {scheme}", "warn", f"none on {device.type}: {choice.reason}",
-                              "backend torchao/auto keeps these layers simulated: correct numbers, no speed-up"))
-        elif not have_torchao:
-            rows.append(Check(f"kernel {scheme}", "warn", f"{choice.kernel} needs torchao, which is not installed; "
-                              "backend 'auto' silently runs simulated (dequantizes every forward)", "pip install torchao"))
-        elif choice.kernel == "float8_weight_only" and device.type != "cuda":
-            rows.append(Check(f"kernel {scheme}", "warn", f"{choice.kernel}: Float8Tensor dequantizes in the matmul "
-                              f"on {device.type} (real bytes, no fp8 compute)", "expect float speed, not fp8 speed"))
-        else:
-            rows.append(Check(f"kernel {scheme}", "ok", choice.kernel))
-    return rows
-
-
-# ---- the model's tensors -----------------------------------------------------------------------------------
 
 def _named_tensors(model: nn.Module):
     yield from model.named_parameters()
@@ -360,7 +211,7 @@ def memory_check(config, seq_len: int, batch: int, dtype: str, device: torch.dev
                  loaded_bytes: int = 0) -> Check:
     """eval/estimate.py's estimate vs free memory. The model is loaded already (loaded_bytes, the framework too),
     so what must still fit in free_bytes is the KV cache + activations; warn above 80 % of it."""
-    from .eval.estimate import MIB, estimate_memory
+    from ..eval.estimate import MIB, estimate_memory
 
     kind = "cuda" if device.type == "cuda" else "cpu"
     try:
@@ -392,30 +243,3 @@ def tensor_bytes(model: nn.Module) -> int:
             seen.add(t.untyped_storage().data_ptr())
             total += t.untyped_storage().nbytes()
     return total
-
-
-def diagnose(model: nn.Module | None, tokenizer=None, device: torch.device | None = None,
-             seq_len: int | None = None, batch: int = 1, dtype: str = "float32",
-             free_bytes: int | None = None, matmul_budget_s: float = 0.3) -> list[Check]:
-    """Every check: the environment, then (with a model) its tensors, one probe forward, its limits and memory.
-
-    >>> print(format_checks(diagnose(*load_model("smollm2-135m", device="cpu"), torch.device("cpu"))))
-    """
-    device = device or torch.device("cpu")
-    rows = device_rows(device) + half_precision_rows(device, budget_s=matmul_budget_s) + kernel_rows(device)
-    if model is None:
-        return rows
-    placement = placement_check(model)
-    rows += [placement, dtype_check(model), finite_weights_check(model)]
-    if placement.status == "error":
-        rows.append(Check("forward", "warn", "skipped: the devices row is an error", "fix it first"))
-    else:
-        stats = forward_stats(model, probe_ids(model, tokenizer))
-        rows += [finite_activations_check(stats)] + ([outlier_check(stats)] if not stats.error else [])
-    config = getattr(model, "config", None)
-    if config is not None:
-        rows.append(positions_check(config, seq_len))
-        free = free_memory_bytes(device) if free_bytes is None else free_bytes
-        eval_len = seq_len or min(getattr(config, "max_position_embeddings", None) or 2048, 2048)
-        rows.append(memory_check(config, eval_len, batch, dtype, device, free, tensor_bytes(model)))
-    return rows
