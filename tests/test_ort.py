@@ -158,3 +158,27 @@ def test_memprobe_loads_an_exported_graph_in_a_fresh_session(tiny_model, tmp_pat
                                "threads": 1})
     assert row["backend"] == "onnxruntime" and row["decode_tokens"] == 2
     assert row["peak_rss_mib"] >= row["loaded_rss_mib"] > 0
+
+
+def test_a_graph_this_onnxruntime_cannot_run_names_the_op_and_the_fix(tmp_path):
+    """An op ORT does not implement (here com.microsoft::NoSuchKernel, the stand-in for an op or opset newer than
+    the installed onnxruntime): the error names the file, ORT's message (the op) and the upgrade."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("NoSuchKernel", ["x"], ["y"], domain="com.microsoft")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                      helper.make_opsetid("com.microsoft", 1)]), tmp_path / "m.onnx")
+    with pytest.raises(RuntimeError, match=r"cannot load .*m\.onnx.*NoSuchKernel.*pip install -U 'quantlab\[ort\]'"):
+        ort_backend.OrtCausalLM(tmp_path / "m.onnx", config=None)
+
+
+def test_lora_adapters_beside_the_codes_do_not_export(tiny_model_dir):
+    from quantlab.runs.experiment import parse_experiment
+
+    runs = [{"name": "lora", "method": "lora", "base": {"method": "rtn", "bits": 4, "group_size": 32},
+             "backend": "onnxruntime"}]
+    with pytest.raises(ValueError, match="not LoRA adapters beside them; set merge = true"):
+        parse_experiment({"name": "bad", "model": str(tiny_model_dir), "run": runs})

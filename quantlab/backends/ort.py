@@ -87,6 +87,9 @@ def check_ort_run(exp, run) -> None:
                         ("rotation", "a rotation")):
         if getattr(run, field) is not None:
             raise ValueError(f"{where} does not export {what} ({field} = {{...}}); use backend = \"simulated\"")
+    if getattr(run.config, "merge", None) is False:  # lora with adapters kept beside the codes
+        raise ValueError(f"{where} exports quantized linears, not LoRA adapters beside them; set merge = true "
+                         f"(adapters folded and re-quantized) or use backend = \"simulated\"")
     if exp.eval.lm_eval_tasks:
         raise ValueError(f"{where}: lm-eval wraps PyTorch models (HFLM), not an ORT session; drop "
                          f"[eval] lm_eval_tasks or use backend = \"simulated\"")
@@ -265,7 +268,13 @@ class OrtCausalLM(nn.Module):
         opts.intra_op_num_threads = threads or torch.get_num_threads()
         opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        try:
+            self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        except Exception as e:  # ORT raises its own Fail / InvalidGraph / NotImplemented types
+            raise RuntimeError(
+                f"onnxruntime {ort.__version__} cannot load {path}: {str(e)[:400]}. quantlab exports opset {OPSET} "
+                f"with com.microsoft::MatMulNBits and MatMulInteger; an op or opset this onnxruntime lacks needs "
+                f"a newer one: pip install -U 'quantlab[ort]' (tested with onnxruntime 1.32)") from e
         self.config = config
         self.n_layers, self.kv_heads, self.head_dim = _kv_shape(config)
         self.anchor = nn.Parameter(torch.zeros(0), requires_grad=False)  # device / dtype for the harness
