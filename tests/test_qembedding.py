@@ -11,7 +11,8 @@ from quantlab.core.primitives import dequantize, qparams, quantize
 from quantlab.core.qembedding import EmbeddingQuantConfig, QuantEmbedding, QuantTiedHead, quantize_embedding
 from quantlab.eval.memory import weight_stats
 from quantlab.runs import runner
-from quantlab.runs.experiment import parse_experiment
+from quantlab.core.registry import make_config
+from quantlab.runs.experiment import RunSpec, parse_experiment
 
 IDS = torch.tensor([[1, 5, 17, 200, 3, 299, 42, 7, 0, 64]])
 
@@ -90,7 +91,7 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match=r"unknown embedding scale_dtype 'float8'"):
         EmbeddingQuantConfig(scale_dtype="float8")
     with pytest.raises(ValueError, match=r"embedding: unknown key\(s\) 'bitz'; valid: bits, scale_dtype"):
-        EmbeddingQuantConfig.from_dict({"bitz": 8})
+        RunSpec("emb", make_config({"method": "none"}), embedding={"bitz": 8})  # the experiment file's path
     with pytest.raises(ValueError, match="needs a model whose get_input_embeddings"):
         quantize_embedding(nn.Linear(4, 4), EmbeddingQuantConfig())
 

@@ -14,7 +14,7 @@ chunk's dequantized rows at a time). An untied head stays as it is.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,14 +40,6 @@ class EmbeddingQuantConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, table: dict) -> EmbeddingQuantConfig:
-        names = [f.name for f in fields(cls)]
-        unknown = sorted(set(table) - set(names))
-        if unknown:
-            raise ValueError(f"embedding: unknown key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(names)}")
-        return cls(**table)
 
     def describe(self) -> str:
         return f"emb{self.bits} per-row" + ("" if self.scale_dtype == "float16" else f" {self.scale_dtype} scales")
