@@ -42,3 +42,21 @@ def test_report_text_is_measured_facts_only():
             "(/proc/cpuinfo flags). Load average (1 min) at start 1.50, at end n/a.") in text
     for word in ("shared", "engineer", "jobs"):
         assert word not in text.lower()
+
+
+def test_ort_ratios_and_parity_failures_come_from_the_rows():
+    """The ORT paragraph: time ratios against the same scheme in PyTorch / torchao at each batch, and the names of
+    ORT configurations whose logits parity failed its gate, all computed from rows."""
+    speed = _script()
+    rows = [{"config": "int8-wo", "batch_size": 1, "backend": "torchao", "decode_ms_per_token_p50": 30.0,
+             "prefill_ms_p50": 1200.0, "export_parity_ok": True},
+            {"config": "ort-int8", "batch_size": 1, "backend": "onnxruntime", "decode_ms_per_token_p50": 15.0,
+             "prefill_ms_p50": 400.0, "export_parity_ok": True, "export_parity_logits_rel_rms": 0.03,
+             "export_parity_tol": 0.05},
+            {"config": "ort-int4-g32", "batch_size": 1, "backend": "onnxruntime", "decode_ms_per_token_p50": 14.0,
+             "prefill_ms_p50": 500.0, "export_parity_ok": False, "export_parity_logits_rel_rms": 0.1,
+             "export_parity_tol": 0.05}]
+    df = pd.DataFrame(rows)
+    assert "batch 1: `ort-int8` vs `int8-wo` decode 2.00x, prefill 3.00x." in speed._ratios_text(df)
+    text = speed._ort_parity_text(df[df["backend"] == "onnxruntime"])
+    assert text.startswith("1 of 2 ORT configurations passed") and "`ort-int4-g32` (rel RMS 1.0e-01 > 5e-02)" in text

@@ -168,5 +168,5 @@ SPEED_COLUMNS = [
     ("peak_vram_mib", "peak VRAM MiB", "{:.0f}"),
     ("est_total_mib", "estimate MiB", "{:.0f}"), ("est_error_pct", "est. error %", "{:+.1f}"),
     ("export_parity_layer_max_rel", "kernel parity (layer max rel)", "{:.1e}"),
-    ("export_parity_logits_rel_rms", "logits parity (rel RMS)", "{:.1e}"),
+    ("export_parity_logits_rel_rms", "logits parity (rel RMS)", "{:.1e}"), ("export_parity_ok", "parity ok", "{}"),
 ]
