@@ -30,6 +30,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..core.lifecycle import cached_weights
+from .gemm import onednn_linear, resolve_gemm
 
 # what result rows say about the KL reference when it is the model run on the fly
 KL_REFERENCE_ON_THE_FLY = "float model run on each KL window just before the evaluated model (exact, nothing stored)"
@@ -55,12 +56,13 @@ def reference_logprobs(model, windows: torch.Tensor, progress: bool = True) -> l
 def window_log_probs(model, window: torch.Tensor) -> torch.Tensor:
     """Log-probs (T, V) fp32 of one window, by the same ops perplexity() uses at batch_size=1 (the head on
     LOSS_CHUNK positions at a time, logits - logsumexp): two paths that must agree exactly share them."""
-    scorer = _Scorer(model, window[None])
-    parts = []
-    for c0 in range(0, window.shape[0], LOSS_CHUNK):
-        r = scorer.logits(c0, c0 + LOSS_CHUNK)[0]
-        parts.append(r - torch.logsumexp(r, dim=-1, keepdim=True))
-    return torch.cat(parts)
+    with onednn_linear(resolve_gemm("auto", _device(model)) == "onednn"):  # perplexity()'s default GEMM
+        scorer = _Scorer(model, window[None])
+        parts = []
+        for c0 in range(0, window.shape[0], LOSS_CHUNK):
+            r = scorer.logits(c0, c0 + LOSS_CHUNK)[0]
+            parts.append(r - torch.logsumexp(r, dim=-1, keepdim=True))
+        return torch.cat(parts)
 
 
 def _kl_count(reference, kl_windows: int | None, n_windows: int) -> int:
@@ -169,14 +171,15 @@ def _sync(model) -> None:
 @torch.inference_mode()
 def perplexity(model, windows: torch.Tensor, reference: list[torch.Tensor] | nn.Module | None = None,
                progress: bool = True, kl_windows: int | None = None, batch_size: int | None = None,
-               chunk: int = LOSS_CHUNK) -> dict:
+               chunk: int = LOSS_CHUNK, gemm: str = "auto") -> dict:
     """{'ppl', 'nll_mean', 'predicted_tokens', 'window_nll', 'eval_batch_size', and with a reference: 'kl_mean',
     'top1_agree', 'kl_tokens'}.
 
     windows: (n, T) token ids. reference: reference_logprobs() of the first k <= n windows, or the reference
     model itself, run on each of the first `kl_windows` windows (default: all) right before `model` (adds
     'kl_reference_s', the seconds spent in it). KL(P_ref || P_model) is averaged over every position of those
-    windows. batch_size: windows per forward (None: chosen from free memory, auto_batch_size).
+    windows. batch_size: windows per forward (None: chosen from free memory, auto_batch_size). gemm: "auto"
+    (oneDNN for fp32 linears on CPU, eval/gemm.py), "onednn" or "aten" (PyTorch's BLAS); the result has 'eval_gemm'.
 
     >>> perplexity(quantized, windows, float_model, kl_windows=8)["kl_mean"]
     """
@@ -191,7 +194,8 @@ def perplexity(model, windows: torch.Tensor, reference: list[torch.Tensor] | nn.
         raise ValueError(f"batch_size must be an integer >= 1 or None (from free memory), got {batch_size!r}")
     window_nll, kl_sum, agree, kl_tokens, reference_s = [], 0.0, 0, 0, 0.0
     bar = tqdm(total=len(windows), desc="perplexity", leave=False, disable=not progress)
-    with cached_weights(model):  # each quantized weight dequantized once, not on every batch
+    gemm = resolve_gemm(gemm, _device(model))
+    with cached_weights(model), onednn_linear(gemm == "onednn"):  # each quantized weight dequantized once
         for i in range(0, len(windows), batch_size):
             ids = windows[i:i + batch_size]
             n_kl = max(0, min(k - i, len(ids)))
@@ -212,7 +216,7 @@ def perplexity(model, windows: torch.Tensor, reference: list[torch.Tensor] | nn.
     predicted = windows.shape[0] * (windows.shape[1] - 1)
     nll_mean = sum(window_nll) / predicted
     out = {"ppl": math.exp(nll_mean), "nll_mean": nll_mean, "predicted_tokens": predicted, "window_nll": window_nll,
-           "eval_batch_size": batch_size}
+           "eval_batch_size": batch_size, "eval_gemm": gemm}
     if k:
         out.update(kl_mean=kl_sum / kl_tokens, top1_agree=agree / kl_tokens, kl_tokens=kl_tokens)
     if ref_model is not None:

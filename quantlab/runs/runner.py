@@ -173,7 +173,7 @@ def _perplexity_metrics(ctx: _Context, model) -> dict:
             "top1_agree": ppl.get("top1_agree"), "kl_tokens": ppl.get("kl_tokens", 0),
             "kl_reference": KL_REFERENCE_ON_THE_FLY if reference else None, "kl_reference_s": ppl.get("kl_reference_s"),
             "predicted_tokens": ppl["predicted_tokens"], "eval_windows": len(ctx.windows),
-            "eval_batch_size": ppl["eval_batch_size"],
+            "eval_batch_size": ppl["eval_batch_size"], "eval_gemm": ppl["eval_gemm"],
             "eval_tokens": ctx.windows.numel(), "seq_len": ctx.exp.eval.seq_len,
             # per-window NLL sums and predicted tokens: bootstrap intervals are computed from stored rows
             "window_nll": json.dumps(ppl["window_nll"]),
