@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import copy
 import statistics
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pandas as pd
 import torch
