@@ -232,3 +232,12 @@ def test_smollm2_lora_w3_steps0_is_rtn_and_a_few_steps_beat_it(wikitext_dir):
     lora, stats = _quantized(model, config, train)
     assert stats["diagnostics"]["lora_targets"] == 210
     assert quantlab.perplexity(lora, windows, progress=False)["ppl"] < rtn_ppl
+
+
+def test_unmerge_after_a_merge_is_refused_naming_why():
+    """merge re-quantizes W + ΔW: the base codes are gone, so peft's unmerge is a clear error, not a silent no-op."""
+    adapted, _ = _quantized(_tiny_lm(), _lora(RTN3, steps=0), _data())
+    layer = next(m for m in adapted.modules() if isinstance(m, QuantLoraLinear))
+    layer.merge()
+    with pytest.raises(RuntimeError, match="base codes cannot be restored"):
+        layer.unmerge()

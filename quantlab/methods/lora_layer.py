@@ -81,7 +81,10 @@ class QuantLoraLinear(nn.Module, LoraLayer):
             self.merged_adapters.append(name)
 
     def unmerge(self) -> None:
-        raise NotImplementedError("a merged QuantLoraLinear was re-quantized; the base codes cannot be restored")
+        """Refused by design: merge re-quantized W + ΔW, so the base's codes are gone (keep a copy of the model,
+        or use merge = false, to keep both)."""
+        raise RuntimeError("a merged QuantLoraLinear was re-quantized; the base codes cannot be restored (keep a "
+                           "copy before merging, or use merge = false)")
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         result = self.base_layer(x, *args, **kwargs)
