@@ -112,6 +112,30 @@ def test_word_perplexity_equals_quantlabs_own_rolling_nll(tiny_model_dir, tiny_d
     assert tok.pad_token is None
 
 
+def test_quantized_weights_are_dequantized_once_and_gemms_agree(tiny_model_dir, tiny_data_dir, monkeypatch):
+    """run_lm_eval evaluates a simulated model at float speed: each QuantLinear computes its weight once for the
+    whole evaluation (not once per forward), and oneDNN's GEMM gives PyTorch's result to 1e-6 relative."""
+    from quantlab.core.qlinear import QuantLinear
+    from quantlab.eval.gemm import onednn_available
+
+    model, tok = quantlab.load_model(str(tiny_model_dir), device="cpu")
+    quantlab.quantize(model, quantlab.make_config({"method": "rtn", "bits": 4, "group_size": 32}))
+    n_layers = sum(isinstance(m, QuantLinear) for m in model.modules())
+    calls = []
+    weight = QuantLinear._weight
+    monkeypatch.setattr(QuantLinear, "_weight", lambda self, dtype: calls.append(self) or weight(self, dtype))
+    aten = run_lm_eval(model, tok, ["wikitext_local"], max_length=64, data_dir=tiny_data_dir, gemm="aten")
+    assert aten["lmeval_gemm"] == "aten"
+    assert len(calls) == n_layers > 0  # many rolling windows (3 pages of 64-token windows), one dequant per layer
+    assert all(m.weight_cache is None for m in model.modules() if isinstance(m, QuantLinear))  # freed after
+    if onednn_available():
+        fast = run_lm_eval(model, tok, ["wikitext_local"], max_length=64, data_dir=tiny_data_dir, gemm="onednn")
+        assert fast["lmeval_gemm"] == "onednn"
+        for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
+            key = f"lmeval_wikitext_local_{metric}"
+            assert fast[key] == pytest.approx(aten[key], rel=1e-6), metric
+
+
 def test_document_bos_says_when_the_tokenizer_adds_its_own(tiny_model_dir):
     from tokenizers.processors import TemplateProcessing
 

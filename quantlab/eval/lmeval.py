@@ -20,7 +20,9 @@ import re
 import time
 from pathlib import Path
 
+from ..core.lifecycle import cached_weights
 from ..models.data import _WIKITEXT_FILES, candidate_data_dirs, find_wikitext2_dir
+from .gemm import onednn_linear, resolve_gemm
 
 TASKS_DIR = Path(__file__).with_name("lmeval_tasks")
 LOCAL_TASKS = tuple(sorted(p.stem for p in TASKS_DIR.glob("*.yaml")))  # offline tasks, one YAML each
@@ -214,14 +216,21 @@ def result_columns(results: dict) -> dict:
 
 
 def run_lm_eval(model, tokenizer, tasks: list[str], limit: int | None = None, max_length: int | None = None,
-                batch_size: int = 1, data_dir=None, include_path=None, manager=None) -> dict:
+                batch_size: int = 1, data_dir=None, include_path=None, manager=None, gemm: str = "auto") -> dict:
     """Evaluate `tasks` on the model in memory and return the row columns (see result_columns), with the
     protocol: lmeval_tasks, lmeval_limit, lmeval_max_length (rolling-window length), lmeval_prefix_token_id,
-    lmeval_document_bos, lmeval_batch_size, lmeval_version, lmeval_s."""
+    lmeval_document_bos, lmeval_batch_size, lmeval_gemm, lmeval_version, lmeval_s.
+
+    As quantlab's own perplexity pass: each quantized weight is dequantized once for the whole evaluation
+    (cached_weights: bitwise the same forward), and gemm "auto" runs fp32 CPU linears through oneDNN
+    (eval/gemm.py; "aten" keeps PyTorch's BLAS)."""
     from importlib.metadata import version
 
+    gemm = resolve_gemm(gemm, next(model.parameters()).device)
     t0 = time.perf_counter()
-    results, used = evaluate(model, tokenizer, tasks, limit, max_length, batch_size, data_dir, include_path, manager)
+    with cached_weights(model), onednn_linear(gemm == "onednn"):
+        results, used = evaluate(model, tokenizer, tasks, limit, max_length, batch_size, data_dir, include_path,
+                                 manager)
     return {**result_columns(results), f"{PREFIX}tasks": ",".join(tasks), f"{PREFIX}limit": limit,
-            **{f"{PREFIX}{k}": v for k, v in used.items()}, f"{PREFIX}batch_size": batch_size,
+            **{f"{PREFIX}{k}": v for k, v in used.items()}, f"{PREFIX}batch_size": batch_size, f"{PREFIX}gemm": gemm,
             f"{PREFIX}version": version("lm_eval"), f"{PREFIX}s": time.perf_counter() - t0}

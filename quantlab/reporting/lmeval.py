@@ -9,7 +9,7 @@ import pandas as pd
 # as quantlab.eval.lmeval writes them (not imported: a report is written from rows alone, without torch or lm-eval)
 PREFIX = "lmeval_"
 PROTOCOL = {f"{PREFIX}{k}" for k in ("tasks", "limit", "max_length", "prefix_token_id", "document_bos", "batch_size",
-                                     "version", "s", "higher_is_better")}
+                                     "gemm", "version", "s", "higher_is_better")}
 
 
 def metric_columns(df: pd.DataFrame) -> list[str]:
