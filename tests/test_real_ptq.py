@@ -1,7 +1,9 @@
 """Calibrated PTQ on the real models (slow): GPTQ and AWQ beat RTN at the same bits.
 
 SmolLM2-135M: perplexity on the same 6 WikiText-2 test windows of 512 tokens, calibration on 8 seeded
-validation windows (enough for both to beat RTN; the experiment uses 64). MiniLM-L6 (genuine fp32
+validation windows for GPTQ and the first 4 of them for AWQ (the experiments use 32). Measured at 1 thread:
+RTN 39.46; GPTQ 37.73 with 8 windows but 39.88 with 4 (so GPTQ keeps 8); AWQ 35.17 with 8, 34.63 with 4, in
+half of AWQ's 466 s (its 20-point alpha grid replays attention and MLP on every calibration token). MiniLM-L6 (genuine fp32
 weights): mean-pooled embedding cosine vs fp32 on 128 test sentences, calibration on 32 validation
 windows of 128 tokens.
 """
@@ -29,10 +31,10 @@ def smol(wikitext_dir):
     return model, eval_windows(ids, 512, max_windows=6), calib
 
 
-def _ppl(smol, spec):
+def _ppl(smol, spec, calibration_windows=None):
     model, windows, calib = smol
     m = copy.deepcopy(model)
-    quantlab.quantize(m, quantlab.make_config(spec), calibration=calib)
+    quantlab.quantize(m, quantlab.make_config(spec), calibration=calib[:calibration_windows])
     return quantlab.perplexity(m, windows, progress=False)["ppl"]
 
 
@@ -40,8 +42,8 @@ def _ppl(smol, spec):
 def test_smollm2_gptq_and_awq_beat_rtn_at_w4_g64(smol):
     rtn = _ppl(smol, _rtn(4, 64))
     gptq = _ppl(smol, {**_rtn(4, 64), "method": "gptq", "true_sequential": False})
-    awq = _ppl(smol, {"method": "awq", "base": _rtn(4, 64)})
-    assert gptq < rtn and awq < rtn
+    awq = _ppl(smol, {"method": "awq", "base": _rtn(4, 64)}, calibration_windows=4)
+    assert gptq < rtn and awq < rtn, (rtn, gptq, awq)
 
 
 @pytest.fixture(scope="module")
