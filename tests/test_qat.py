@@ -2,6 +2,7 @@
 import copy
 import itertools
 import json
+import logging
 import math
 
 import pytest
@@ -320,6 +321,33 @@ def test_ce_only_needs_no_teacher_and_bf16_autocast_runs():
     model = copy.deepcopy(teacher)
     stats = quantlab.quantize(model, config, training=data, progress=False)
     assert stats["train_dtype"] == "bfloat16" and 4 < stats["train_loss_final"] < 7  # CE near ln(300) = 5.7
+
+
+@pytest.mark.parametrize("bf16_ms, warns", [(12.0, True), (1.5, False)])
+def test_bf16_training_on_a_cpu_without_native_bf16_warns_once(monkeypatch, caplog, bf16_ms, warns):
+    """A bf16 matmul >= 2x the fp32 one (AVX2: ~12x measured) warns, naming float32 as the faster dtype; float32
+    training probes nothing."""
+    from quantlab.doctor import environment
+
+    calls = []
+
+    def fake_matmul_ms(dtype, device, **kw):
+        calls.append(dtype)
+        return bf16_ms if dtype == torch.bfloat16 else 1.0
+
+    monkeypatch.setattr(environment, "matmul_ms", fake_matmul_ms)
+    with caplog.at_level(logging.WARNING, logger="quantlab.qat.train"):
+        stats = quantlab.quantize(copy.deepcopy(_tiny_lm()), _qat(ce_weight=1.0, kd_weight=0.0, dtype="bfloat16",
+                                                                  steps=1), training=_data(), progress=False)
+    assert stats["train_dtype"] == "bfloat16" and calls == [torch.bfloat16, torch.float32]
+    slow = [r.getMessage() for r in caplog.records if "bf16 matmul" in r.getMessage()]
+    assert slow == ([f"training dtype 'bfloat16': a bf16 matmul on this CPU takes {bf16_ms:.1f}x the fp32 one (no "
+                     "native bf16, e.g. AVX2 without AVX512_BF16/AMX); dtype = 'float32' trains faster here "
+                     "(`quantlab doctor` shows the check)"] if warns else [])
+    calls.clear()
+    quantlab.quantize(copy.deepcopy(_tiny_lm()), _qat(ce_weight=1.0, kd_weight=0.0, steps=1), training=_data(),
+                      progress=False)
+    assert calls == [] and train_mod._warn_if_bf16_is_slow(torch.device("cpu"), "float32") is None
 
 
 def test_lr_schedule_warms_up_then_decays_to_min():

@@ -99,6 +99,25 @@ def _autocast(device: torch.device, dtype: str):
     return torch.autocast(device.type, dtype=getattr(torch, dtype))
 
 
+SLOW_BF16_RATIO = 2.0  # warn when a CPU bf16 matmul takes this many times the fp32 one
+
+
+def _warn_if_bf16_is_slow(device: torch.device, dtype: str) -> float | None:
+    """On CPU with dtype 'bfloat16': time a bf16 and an fp32 matmul (quantlab doctor's probe, ~0.2 s) and warn
+    when bf16 is SLOW_BF16_RATIO times slower or more (no AVX512_BF16 / AMX: measured ~12x for QAT on an
+    emulated AVX2 CPU). Returns the ratio, or None where nothing was probed."""
+    if device.type != "cpu" or dtype != "bfloat16":
+        return None
+    from ..doctor.environment import matmul_ms
+
+    ratio = matmul_ms(torch.bfloat16, device, budget_s=0.1) / matmul_ms(torch.float32, device, budget_s=0.1)
+    if ratio >= SLOW_BF16_RATIO:
+        log.warning("training dtype 'bfloat16': a bf16 matmul on this CPU takes %.1fx the fp32 one (no native bf16, "
+                    "e.g. AVX2 without AVX512_BF16/AMX); dtype = 'float32' trains faster here "
+                    "(`quantlab doctor` shows the check)", ratio)
+    return ratio
+
+
 def _loss(model, teacher, batch: torch.Tensor, settings: TrainSettings, autocast) -> torch.Tensor:
     """The training loss of one micro-batch (B, T): ce_weight * CE + kd_weight * KD."""
     with autocast:
@@ -211,6 +230,7 @@ def train(
     _check_inputs(windows, settings, teacher, checkpoint_dir)
     device = next(model.parameters()).device
     autocast = _autocast(device, settings.dtype)
+    _warn_if_bf16_is_slow(device, settings.dtype)
     weights, qparams = params(model)
     trainable = {**weights, **qparams}
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
