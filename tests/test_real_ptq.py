@@ -3,9 +3,9 @@
 SmolLM2-135M: perplexity on the same 6 WikiText-2 test windows of 512 tokens, calibration on 8 seeded
 validation windows for GPTQ and the first 4 of them for AWQ (the experiments use 32). Measured at 1 thread:
 RTN 39.46; GPTQ 37.73 with 8 windows but 39.88 with 4 (so GPTQ keeps 8); AWQ 35.17 with 8, 34.63 with 4, in
-half of AWQ's 466 s (its 20-point alpha grid replays attention and MLP on every calibration token). MiniLM-L6 (genuine fp32
-weights): mean-pooled embedding cosine vs fp32 on 128 test sentences, calibration on 32 validation
-windows of 128 tokens.
+half of AWQ's 466 s (its 20-point alpha grid replays attention and MLP on every calibration token).
+MiniLM-L6 (genuine fp32 weights): mean-pooled embedding cosine vs fp32 on 128 test sentences, calibration on
+32 validation windows of 128 tokens.
 """
 import copy
 
