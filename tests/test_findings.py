@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -9,7 +10,9 @@ import pytest
 
 from quantlab.cli import main
 from quantlab.reporting import stats
-from quantlab.reporting.findings import FindingsError, Placeholder, findings_section, parse, render, report_rows
+from quantlab.reporting.findings import (FindingsError, Placeholder, check_runs, findings_section, parse, quoted_reports,
+                                         render, report_rows)
+from quantlab.reporting.regenerate import regenerate_report
 from quantlab.reporting.report import TABLE_COLUMNS, add_intervals, add_ratios, summarize_seeds
 from quantlab.runs import runner
 from quantlab.runs.experiment import load_experiment, parse_experiment
@@ -159,6 +162,55 @@ def test_section_notes_runs_without_rows():
     text = findings_section("{fp32:ppl} vs {gone:ppl}", df, df, FORMATS)
     assert text.startswith("## Findings") and "**Not generated:** the template names run(s) gone" in text
     assert findings_section("  ", df, df, FORMATS) == ""
+
+
+def test_quoted_runs_come_from_the_other_report_rows():
+    """REPORT/RUN names a row of another report: its values, and paired intervals between two of its runs, come
+    from its rows exactly as they do in that report; pairing across reports on other windows is refused."""
+    df = add_intervals(add_ratios(pd.DataFrame([_row("fp32", BASE_NLL, method="none")])))
+    other = _rows()
+    template = "{other/minus10:ppl_delta_pct:+.2f}% {other/minus10 vs other/fp32} {other/plus10 vs other/fp32:verdict}"
+    text = findings_section(template, df, df, FORMATS, {"other": other})
+    assert text.endswith("-10.00% -10.0% [-10.0, -10.0] higher than")
+    assert findings_section("{other/minus10 vs fp32:delta:.3f}", df, df, FORMATS, {"other": other}).endswith(
+        "-10.000% [-10.000, -10.000]")  # the same windows: a quoted run pairs with one of this report
+    shorter = add_intervals(add_ratios(pd.DataFrame([_row("fp32", BASE_NLL[:4], TOKENS[:4], method="none")])))
+    with pytest.raises(FindingsError, match=r"'other/minus10' and 'fp32' were evaluated on different windows"):
+        findings_section("{other/minus10 vs fp32}", shorter, shorter, FORMATS, {"other": other})
+    lost = findings_section("{fp32:ppl} {other/minus10:ppl}", df, df, FORMATS, {"other": None})
+    assert "**Not generated:** the template quotes report(s) other, whose CSV is not beside this report" in lost
+    gone = findings_section("{other/gone:ppl}", df, df, FORMATS, {"other": other})
+    assert "names run(s) other/gone that have no row in this report or the report it quotes" in gone
+    with pytest.raises(FindingsError, match=r"quotes 'a/b/c'; a run of another report is written REPORT/RUN"):
+        check_runs("{a/b/c:ppl}", ["fp32"])
+    with pytest.raises(FindingsError, match=r"quotes '/b'"):
+        check_runs("{fp32 vs /b}", ["fp32"])
+    check_runs("{x/fp32 vs fp32} {y/z:ppl}", ["fp32"])  # quoted runs are checked when the report is written
+    assert quoted_reports("{x/a vs b} {y/c:ppl} {x/d:ppl} {b:ppl}") == ["x", "y"]
+
+
+def test_quoted_report_regenerates_and_follows_its_source(tmp_path):
+    """The committed gemma3_ptq report quotes smollm2_ptq and smollm2_qat rows: it regenerates byte for byte from
+    their committed CSVs, a changed quoted row changes the quoted number, and without the CSVs it says so."""
+    for f in ("gemma3_ptq.results.jsonl", "gemma3_ptq.experiment.json", "smollm2_ptq.csv", "smollm2_qat.csv"):
+        shutil.copy(REPO / "reports" / f, tmp_path)
+    committed = (REPO / "reports" / "gemma3_ptq.md").read_text()
+    regenerate_report(tmp_path / "gemma3_ptq.results.jsonl", tmp_path / "out")
+    assert (tmp_path / "out" / "gemma3_ptq.md").read_text() == committed  # quoted CSVs found beside the results
+    quoted = pd.read_csv(tmp_path / "smollm2_qat.csv")
+    gptq = quoted.set_index("run").loc["gptq-w3-g64", "ppl_delta_pct"]
+    assert f"against GPTQ's\n  {gptq:+.0f}%:" in committed
+    quoted.loc[quoted["run"] == "gptq-w3-g64", "ppl_delta_pct"] = 555.0
+    quoted.to_csv(tmp_path / "out" / "smollm2_qat.csv", index=False)  # beside the new report: found first
+    regenerate_report(tmp_path / "gemma3_ptq.results.jsonl", tmp_path / "out")
+    md = (tmp_path / "out" / "gemma3_ptq.md").read_text()
+    assert "against GPTQ's\n  +555%:" in md and md.replace("+555%", f"{gptq:+.0f}%") == committed
+    for f in ("smollm2_ptq.csv", "smollm2_qat.csv"):
+        (tmp_path / f).unlink()
+        (tmp_path / "out" / f).unlink(missing_ok=True)
+    regenerate_report(tmp_path / "gemma3_ptq.results.jsonl", tmp_path / "out")
+    assert ("the template quotes report(s) smollm2_ptq, smollm2_qat, whose CSV is not beside this report"
+            in (tmp_path / "out" / "gemma3_ptq.md").read_text())
 
 
 def _data(model_dir, findings):

@@ -21,12 +21,16 @@ from the report's rows, so a rerun rewrites them. `{{` and `}}` are literal brac
                                {w4a8 vs w4:ppl:+.1f}% -> +4.3%
 
 RUN is a run name, a seed run ("gptq-w4-g64-seed1") or a seed group ("gptq-w4-g64": the mean over its
-seeds, with `<metric>_std` and `n_seeds`). COLUMN is any CSV column (ppl, ppl_delta_pct, kl_mean,
+seeds, with `<metric>_std` and `n_seeds`), or REPORT/RUN: a run of another report, read from the REPORT.csv
+beside this one (e.g. {smollm2_ptq/awq-w4-g64:ppl_delta_pct:+.0f}, {smollm2_ptq/awq-w3-g64 vs
+smollm2_ptq/gptq-w3-g64:verdict}), so numbers quoted from another experiment are generated too; run names
+cannot hold a '/'. COLUMN is any CSV column (ppl, ppl_delta_pct, kl_mean,
 cos_mean, weight_mib, calibrate_s, ppl_pystdlib, ...) or an interval as "[low, high]": `ppl_ci` / `ppl_delta_ci`,
 and per domain `ppl_DOMAIN_ci` / `ppl_DOMAIN_delta_ci`.
 W1|W2|W3 are any three phrases, used when A's value is lower / higher / the same (or not distinguishable).
 A placeholder sits on one line. Run names are checked when the experiment loads (before any model), columns
-when the report is written; a run that has no row yet (failed, not run) leaves the section with a note.
+when the report is written; a run that has no row yet (failed, not run), or a quoted report without its CSV,
+leaves the section with a note.
 """
 from __future__ import annotations
 
@@ -136,12 +140,37 @@ def parse(template: str) -> list[str | Placeholder]:
     return [p for p in out if p != ""]
 
 
+def split_quoted(run: str) -> tuple[str | None, str]:
+    """("smollm2_ptq", "awq-w4-g64") of a quoted "smollm2_ptq/awq-w4-g64"; (None, run) of a run of this report."""
+    report, slash, name = run.partition("/")
+    return (report, name) if slash else (None, run)
+
+
+def quoted_reports(template: str) -> list[str]:
+    """The other reports a template quotes (REPORT of its REPORT/RUN names), in order of first use."""
+    out = []
+    for p in parse(template):
+        if isinstance(p, Placeholder):
+            out += [r for r in (split_quoted(run)[0] for run in p.runs()) if r and r not in out]
+    return out
+
+
 def check_runs(template: str, known, where: str = "findings") -> None:
-    """Raise unless every run a template names is in `known` (run names and seed-group names)."""
+    """Raise unless every run a template names is in `known` (run names and seed-group names).
+
+    A quoted REPORT/RUN is checked for its form only (both parts non-empty, no further '/'): the other
+    report's rows are read when this report is written.
+    """
     known = set(known)
     for p in parse(template):
         if isinstance(p, Placeholder):
-            bad = [r for r in p.runs() if r not in known]
+            for run in p.runs():
+                report, name = split_quoted(run)
+                if report is not None and (not report.strip() or not name.strip() or "/" in name
+                                           or report.startswith(".")):
+                    raise FindingsError(f"{where}: placeholder {{{p.text}}} quotes {run!r}; a run of another "
+                                        "report is written REPORT/RUN, e.g. smollm2_ptq/awq-w4-g64")
+            bad = [r for r in p.runs() if r not in known and split_quoted(r)[0] is None]
             if bad:
                 raise FindingsError(f"{where}: placeholder {{{p.text}}} names unknown run {bad[0]!r}; "
                                     f"known: {', '.join(sorted(known))}")
@@ -315,17 +344,28 @@ def report_rows(df, summary) -> dict[str, dict]:
     return rows
 
 
-def findings_section(template: str, df, summary, formats: dict[str, str]) -> str:
+def findings_section(template: str, df, summary, formats: dict[str, str],
+                     quoted: dict[str, dict[str, dict] | None] | None = None) -> str:
     """The report's Findings section ("" without a template).
 
-    Runs that have no row (failed, or not run yet) leave the section unrendered with a note saying so;
-    any other mismatch (an unknown column, runs on different windows) raises FindingsError.
+    `quoted` holds the rows of each report the template quotes ({report: {run: row}}, see quoted_reports),
+    None for a report whose CSV was not found. Runs that have no row (failed, or not run yet) and quoted
+    reports that are missing leave the section unrendered with a note saying so; any other mismatch (an
+    unknown column, runs on different windows) raises FindingsError.
     """
     if not template.strip():
         return ""
     rows = report_rows(df, summary)
+    quoted = quoted or {}
+    lost = [r for r in quoted_reports(template) if quoted.get(r) is None]
+    if lost:
+        return (HEADER + f"\n\n**Not generated:** the template quotes report(s) {', '.join(lost)}, whose CSV is not "
+                "beside this report; write (or copy) it there and regenerate.")
+    for report, report_rows_ in quoted.items():
+        rows.update({f"{report}/{run}": row for run, row in (report_rows_ or {}).items()})
     absent = sorted({r for p in parse(template) if isinstance(p, Placeholder) for r in p.runs() if r not in rows})
     if absent:
+        where = "this report" + (" or the report it quotes" if any("/" in r for r in absent) else "")
         return (HEADER + f"\n\n**Not generated:** the template names run(s) {', '.join(absent)} that have no row in "
-                "this report (failed, or not run yet); rerun the experiment to fill it in.")
+                f"{where} (failed, or not run yet); rerun the experiment to fill it in.")
     return HEADER + "\n\n" + render(template, rows, formats).strip()

@@ -87,4 +87,6 @@ def regenerate_report(results, out_dir=None, description: str | None = None,
     if findings is None:
         findings = meta.get("findings", "") if meta else ""
     selected = select_rows(rows, meta, str(results))
-    return write_report(name, selected, results.parent if out_dir is None else out_dir, description, findings)
+    out_dir = results.parent if out_dir is None else Path(out_dir)
+    # reports the findings quote (REPORT/RUN) are looked up beside the new report, then beside the results
+    return write_report(name, selected, out_dir, description, findings, quote_dirs=[out_dir, results.parent])

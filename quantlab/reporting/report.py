@@ -356,13 +356,30 @@ def write_sidecar(name: str, rows: list[dict], reports_dir: Path, description: s
     (reports_dir / f"{name}.experiment.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
 
 
+def quoted_rows(template: str, dirs) -> dict[str, dict[str, dict] | None]:
+    """{report: {run: row}} of each report a findings template quotes (REPORT/RUN), read from the first
+    <dir>/<report>.csv of `dirs`; None for a report none of them holds. Seed groups are addressable as in
+    the report's own rows."""
+    out = {}
+    for report in findings_mod.quoted_reports(template):
+        path = next((Path(d) / f"{report}.csv" for d in dirs if (Path(d) / f"{report}.csv").is_file()), None)
+        if path is None:
+            out[report] = None
+            continue
+        df = pd.read_csv(path)
+        out[report] = findings_mod.report_rows(df, summarize_seeds(df)[0])
+    return out
+
+
 def write_report(name: str, rows: list[dict], reports_dir: str | Path, description: str = "",
-                 findings: str = "") -> pd.DataFrame:
+                 findings: str = "", quote_dirs=None) -> pd.DataFrame:
     """Write <reports_dir>/<name>.csv, .md, plots and the .experiment.json sidecar; returns the DataFrame.
 
     `findings` is the experiment's template (see findings.py), rendered from the rows after the table; a
-    template that does not fit the rows raises before any file is written. Depends on the rows, the
-    description and the template only, so regenerate.regenerate_report() reproduces it.
+    template that does not fit the rows raises before any file is written. Runs it quotes from another
+    report (REPORT/RUN) come from REPORT.csv in the first of `quote_dirs` (default: reports_dir) that has it.
+    Depends on the rows, the description, the template and the quoted CSVs only, so
+    regenerate.regenerate_report() reproduces it.
     """
     if not rows:
         raise ValueError(f"no result rows for {name!r}: nothing to report")
@@ -375,7 +392,8 @@ def write_report(name: str, rows: list[dict], reports_dir: str | Path, descripti
     at = [c for c, _, _ in TABLE_COLUMNS].index("ppl_delta_ci") + 1  # other domains' columns follow the main ppl's
     columns = TABLE_COLUMNS[:at] + domains.table_columns(df) + TABLE_COLUMNS[at:]
     formats = {c: f for c, _, f in columns}
-    findings_text = findings_mod.findings_section(findings, df, summary, formats)  # raises before writing
+    quoted = quoted_rows(findings, [reports_dir] if quote_dirs is None else quote_dirs)
+    findings_text = findings_mod.findings_section(findings, df, summary, formats, quoted)  # raises before writing
     reports_dir.mkdir(parents=True, exist_ok=True)
     df.to_csv(reports_dir / f"{name}.csv", index=False)
     legend = "**Bold**: the best value of a column among the quantized runs (the baseline excluded)."
