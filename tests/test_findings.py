@@ -181,8 +181,11 @@ def test_quoted_runs_come_from_the_other_report_rows():
     assert "**Not generated:** the template quotes report(s) other, whose CSV is not beside this report" in lost
     gone = findings_section("{other/gone:ppl}", df, df, FORMATS, {"other": other})
     assert "names run(s) other/gone that have no row in this report or the report it quotes" in gone
-    with pytest.raises(FindingsError, match=r"quotes 'a/b/c'; a run of another report is written REPORT/RUN"):
+    with pytest.raises(FindingsError, match=r"quotes 'a/b/c' \(quoted run 'b/c' contains '/'.*\); a run of another "
+                                         r"report is written REPORT/RUN"):
         check_runs("{a/b/c:ppl}", ["fp32"])
+    with pytest.raises(FindingsError, match=r"quotes '\.\./x' \(quoted report '\.\.'"):
+        check_runs("{../x:ppl}", ["fp32"])
     with pytest.raises(FindingsError, match=r"quotes '/b'"):
         check_runs("{fp32 vs /b}", ["fp32"])
     check_runs("{x/fp32 vs fp32} {y/z:ppl}", ["fp32"])  # quoted runs are checked when the report is written

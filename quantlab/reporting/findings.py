@@ -39,6 +39,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from ..core.checks import check_name
 from . import stats
 
 _TOKEN = re.compile(r"\{\{|\}\}|\{([^{}\n]*)\}|[{}]")
@@ -158,18 +159,21 @@ def quoted_reports(template: str) -> list[str]:
 def check_runs(template: str, known, where: str = "findings") -> None:
     """Raise unless every run a template names is in `known` (run names and seed-group names).
 
-    A quoted REPORT/RUN is checked for its form only (both parts non-empty, no further '/'): the other
-    report's rows are read when this report is written.
+    A quoted REPORT/RUN is checked for its form only (two file-name-safe parts, see core.checks.check_name):
+    the other report's rows are read when this report is written.
     """
     known = set(known)
     for p in parse(template):
         if isinstance(p, Placeholder):
             for run in p.runs():
                 report, name = split_quoted(run)
-                if report is not None and (not report.strip() or not name.strip() or "/" in name
-                                           or report.startswith(".")):
-                    raise FindingsError(f"{where}: placeholder {{{p.text}}} quotes {run!r}; a run of another "
-                                        "report is written REPORT/RUN, e.g. smollm2_ptq/awq-w4-g64")
+                if report is None:
+                    continue
+                try:  # both parts are file-name safe: REPORT names <REPORT>.csv beside this report
+                    check_name("quoted report", report), check_name("quoted run", name)
+                except ValueError as e:
+                    raise FindingsError(f"{where}: placeholder {{{p.text}}} quotes {run!r} ({e}); a run of "
+                                        "another report is written REPORT/RUN, e.g. smollm2_ptq/awq-w4-g64") from None
             bad = [r for r in p.runs() if r not in known and split_quoted(r)[0] is None]
             if bad:
                 raise FindingsError(f"{where}: placeholder {{{p.text}}} names unknown run {bad[0]!r}; "
