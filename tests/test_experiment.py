@@ -116,16 +116,20 @@ def test_runner_writes_rows_resumes_and_reports(tiny_model_dir, tmp_path, monkey
     # a CPU process's peak RSS covers its whole life (same number in every row): not a per-run column
     assert "peak_rss_mib" not in csv.columns and "memory_probe" not in csv.columns
     base = csv.iloc[0]
-    for i in (1, 2):  # ratio columns vs the baseline row, recomputed from the CSV's own measurements
+    assert pd.isna(base["latency_ref_decode_ms_per_token_p50"]) and base["decode_speedup"] == 1.0  # the reference
+    for i in (1, 2):  # ratio columns, recomputed from the CSV's own measurements
         row = csv.iloc[i]
         assert row["ppl_delta_pct"] == pytest.approx((row["ppl"] / base["ppl"] - 1) * 100, rel=1e-9, abs=1e-9)
         assert row["weight_ratio"] == pytest.approx(row["weight_bytes"] / base["weight_bytes"], rel=1e-12)
-        assert row["decode_speedup"] == pytest.approx(base["decode_ms_per_token_p50"] / row["decode_ms_per_token_p50"],
-                                                      rel=1e-9)
+        for phase, col in (("decode", "decode_ms_per_token_p50"), ("prefill", "prefill_ms_p50")):
+            # speed: the float model timed in the same run just before this row, not the baseline row's time
+            assert row[f"latency_ref_{col}"] > 0
+            assert row[f"{phase}_speedup"] == pytest.approx(row[f"latency_ref_{col}"] / row[col], rel=1e-9)
     assert (csv["weight_bytes"].iloc[1:] < base["weight_bytes"]).all()
     assert csv.loc[1, "kl_mean"] < csv.loc[2, "kl_mean"]
     md = (tmp_path / "tiny.md").read_text()
     assert "**Protocol.**" in md and "4 non-overlapping windows of seq_len 32" in md and "| w4g32 |" in md
+    assert "× speed: the float model's latency measured in the same process just before the row's" in md
 
     real_context, real_evaluate, calls = runner._Context, runner._evaluate_run, []
     monkeypatch.setattr(runner, "_Context", None)  # all runs done: the model must not even load

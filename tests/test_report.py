@@ -319,3 +319,27 @@ def test_lifetime_peak_rss_of_old_rows_is_left_out():
     assert out["peak_rss_mib"].tolist()[1] == 612.5
     assert out["peak_rss_mib"].isna().tolist() == [True, False, True]
     assert mixed["peak_rss_mib"].tolist() == [2908.0, 612.5, 700.0]  # the input is not modified
+
+
+def test_speed_ratios_pair_each_row_with_its_float_measurement_or_fall_back_to_the_baseline():
+    """A row with latency_ref_* divides that float measurement by its own latency (machine drift between rows
+    cancels); a row without it (stored before the runner paired them) divides the baseline row's latency."""
+    from quantlab.reporting.report import add_ratios, protocol_text
+    nan = float("nan")
+    common = {"ppl": 10.0, "weight_bytes": 100, "eval_dataset": "d", "eval_split": "test", "eval_source": "s",
+              "bos": "none", "eval_windows": 1, "seq_len": 8, "eval_tokens": 8, "predicted_tokens": 7,
+              "prefill_tokens": 4, "decode_tokens": 2, "batch_size": 1, "latency_repeats": 2}
+    rows = [{"run": "fp32", "method": "none", "prefill_ms_p50": 10.0, "decode_ms_per_token_p50": 4.0,
+             "latency_ref_prefill_ms_p50": nan, "latency_ref_decode_ms_per_token_p50": nan},
+            {"run": "old", "method": "rtn", "prefill_ms_p50": 20.0, "decode_ms_per_token_p50": 8.0,
+             "latency_ref_prefill_ms_p50": nan, "latency_ref_decode_ms_per_token_p50": nan},
+            {"run": "new", "method": "rtn", "prefill_ms_p50": 20.0, "decode_ms_per_token_p50": 8.0,
+             "latency_ref_prefill_ms_p50": 30.0, "latency_ref_decode_ms_per_token_p50": 12.0}]
+    df = add_ratios(pd.DataFrame([{**common, **r} for r in rows]))
+    assert df["decode_speedup"].tolist() == [1.0, 0.5, 1.5] and df["prefill_speedup"].tolist() == [1.0, 0.5, 1.5]
+    assert "rows new divide the float model's latency measured just before their own; the others" in protocol_text(df)
+    paired = df[df["run"] != "old"]
+    assert "× speed: the float model's latency measured in the same process" in protocol_text(paired)
+    old = df[df["run"] != "new"].drop(columns=[c for c in df if c.startswith("latency_ref_")])
+    assert add_ratios(old)["decode_speedup"].tolist() == [1.0, 0.5]
+    assert "× speed: the baseline row's latency over the row's, each measured at its own time" in protocol_text(old)

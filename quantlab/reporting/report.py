@@ -96,7 +96,11 @@ def scheme(cfg: dict, dtype: str) -> str:
 
 
 def add_ratios(df: pd.DataFrame) -> pd.DataFrame:
-    """Add ppl_delta_pct, weight_ratio, prefill_speedup, decode_speedup vs the baseline row."""
+    """Add ppl_delta_pct, weight_ratio, prefill_speedup, decode_speedup vs the baseline row.
+
+    A row that stored the float model's latency measured just before its own (latency_ref_<column>, the runner
+    does it) gets its speed ratio from that pair, so drift of the machine between rows cancels; older rows
+    divide the baseline row's latency by theirs."""
     df = df.copy()
     base = df[df["method"] == "none"]
     if base.empty:
@@ -108,8 +112,32 @@ def add_ratios(df: pd.DataFrame) -> pd.DataFrame:
         df["ppl_delta_pct"] = (df["ppl"] / b["ppl"] - 1) * 100
     df["weight_ratio"] = df["weight_bytes"] / b["weight_bytes"]
     for phase, col in (("prefill", "prefill_ms_p50"), ("decode", "decode_ms_per_token_p50")):
-        df[f"{phase}_speedup"] = b[col] / df[col] if col in df else float("nan")
+        if col not in df:
+            df[f"{phase}_speedup"] = float("nan")
+            continue
+        ratio = b[col] / df[col]
+        if f"latency_ref_{col}" in df:
+            ref = pd.to_numeric(df[f"latency_ref_{col}"], errors="coerce")
+            ratio = (ref / df[col]).where(ref.notna(), ratio)
+        df[f"{phase}_speedup"] = ratio
     return df
+
+
+def _latency_ratio_text(df: pd.DataFrame) -> str:
+    """How the × speed columns were formed: paired with a float measurement per row, or against the baseline row."""
+    ref = "latency_ref_prefill_ms_p50"
+    timed = df[(df["method"] != "none") & df["prefill_ms_p50"].notna()] if "prefill_ms_p50" in df else df.iloc[:0]
+    if timed.empty:
+        return ""
+    paired = timed[ref].notna() if ref in timed else pd.Series(False, index=timed.index)
+    text = (" × speed: the float model's latency measured in the same process just before the row's, over the "
+            "row's, so drift of the machine between rows cancels" if paired.all() else
+            " × speed: the baseline row's latency over the row's, each measured at its own time (on a shared "
+            "machine latency drifts between runs; rows run with this version pair each with a float measurement)")
+    if paired.any() and not paired.all():
+        text = (" × speed: rows " + ", ".join(timed.loc[paired, "run"]) + " divide the float model's latency measured "
+                "just before their own; the others divide the baseline row's, measured at its own time")
+    return text + "."
 
 
 def _fmt(value, fmt: str) -> str:
@@ -256,7 +284,8 @@ def protocol_text(df: pd.DataFrame) -> str:
             "output, both models run end to end on the first 32 sentences."
         )
         if "prefill_tokens" in df and pd.notna(r.get("prefill_tokens")):
-            text += f" Latency: one forward of {int(r['prefill_tokens'])} tokens, median of {int(r['latency_repeats'])} repeats."
+            text += (f" Latency: one forward of {int(r['prefill_tokens'])} tokens, median of "
+                     f"{int(r['latency_repeats'])} repeats." + _latency_ratio_text(df))
         return text + _calibration_text(df)
     text = (
         f"**Protocol.** Perplexity on {r['eval_dataset']} `{r['eval_split']}` ({r['eval_source']}), "
@@ -270,7 +299,8 @@ def protocol_text(df: pd.DataFrame) -> str:
         text += f" (reference: {r['kl_reference']})." if isinstance(r.get("kl_reference"), str) else "."
     if "prefill_tokens" in df and pd.notna(r.get("prefill_tokens")):
         text += (f" Latency: prefill {int(r['prefill_tokens'])} tokens, greedy decode {int(r['decode_tokens'])} "
-                 f"tokens, batch {int(r['batch_size'])}, median of {int(r['latency_repeats'])} repeats after warm-up.")
+                 f"tokens, batch {int(r['batch_size'])}, median of {int(r['latency_repeats'])} repeats after warm-up."
+                 + _latency_ratio_text(df))
     return text + domains.protocol_text(df) + _memory_text(df) + _calibration_text(df)
 
 
