@@ -87,11 +87,16 @@ def test_what_the_isolated_probe_saves_loads_bitwise(tiny_model_dir, tmp_path, s
 
 def test_cuda_peak_is_reset_right_before_the_measured_phase(tiny_model_dir, tmp_path, monkeypatch):
     """Order of the runner's calls: quantize, isolated probe, export, then the peak reset, and only then the
-    evaluation and latency (the measured phase)."""
+    evaluation and latency (the measured phase): the float model's latency first (the paired reference of the
+    speed ratio), then the quantized model's."""
     calls = []
 
     def record(name, real):
-        return lambda *a, **k: calls.append(name) or real(*a, **k)
+        def call(*a, **k):
+            quantized = name == "measure_latency" and any("Quant" in type(m).__name__ for m in a[0].modules())
+            calls.append(name + (" quantized" if quantized else " float" if name == "measure_latency" else ""))
+            return real(*a, **k)
+        return call
 
     for name in ("quantize", "_isolated_memory", "export_for_run", "reset_peak_memory", "perplexity",
                  "measure_latency"):
@@ -102,7 +107,7 @@ def test_cuda_peak_is_reset_right_before_the_measured_phase(tiny_model_dir, tmp_
                       latency_repeats=1)
     runner.run_experiment(exp, tmp_path, progress=False)
     assert calls == ["quantize", "_isolated_memory", "export_for_run", "reset_peak_memory", "perplexity",
-                     "measure_latency"]
+                     "measure_latency float", "measure_latency quantized"]
 
 
 def test_runner_kl_is_the_stored_reference_kl_exactly(tiny_model_dir, tmp_path, monkeypatch):
