@@ -133,7 +133,7 @@ def _latency_ratio_text(df: pd.DataFrame) -> str:
     text = (" × speed: the float model's latency measured in the same process just before the row's, over the "
             "row's, so drift of the machine between rows cancels" if paired.all() else
             " × speed: the baseline row's latency over the row's, each measured at its own time (on a shared "
-            "machine latency drifts between runs; rows run with this version pair each with a float measurement)")
+            "machine latency drifts between runs; rerunning them with `--force` pairs each with a float measurement)")
     if paired.any() and not paired.all():
         text = (" × speed: rows " + ", ".join(timed.loc[paired, "run"]) + " divide the float model's latency measured "
                 "just before their own; the others divide the baseline row's, measured at its own time")
