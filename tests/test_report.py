@@ -324,7 +324,8 @@ def test_lifetime_peak_rss_of_old_rows_is_left_out():
 def test_speed_ratios_pair_each_row_with_its_float_measurement_or_fall_back_to_the_baseline():
     """A row with latency_ref_* divides that float measurement by its own latency (machine drift between rows
     cancels); a row without it (stored before the runner paired them) divides the baseline row's latency."""
-    from quantlab.reporting.report import add_ratios, protocol_text
+    from quantlab.reporting.report import add_ratios
+    from quantlab.reporting.sections import protocol_text
     nan = float("nan")
     common = {"ppl": 10.0, "weight_bytes": 100, "eval_dataset": "d", "eval_split": "test", "eval_source": "s",
               "bos": "none", "eval_windows": 1, "seq_len": 8, "eval_tokens": 8, "predicted_tokens": 7,

@@ -164,20 +164,20 @@ def check_runs(template: str, known, where: str = "findings") -> None:
     """
     known = set(known)
     for p in parse(template):
-        if isinstance(p, Placeholder):
-            for run in p.runs():
-                report, name = split_quoted(run)
-                if report is None:
-                    continue
-                try:  # both parts are file-name safe: REPORT names <REPORT>.csv beside this report
-                    check_name("quoted report", report), check_name("quoted run", name)
-                except ValueError as e:
-                    raise FindingsError(f"{where}: placeholder {{{p.text}}} quotes {run!r} ({e}); a run of "
-                                        "another report is written REPORT/RUN, e.g. smollm2_ptq/awq-w4-g64") from None
-            bad = [r for r in p.runs() if r not in known and split_quoted(r)[0] is None]
-            if bad:
-                raise FindingsError(f"{where}: placeholder {{{p.text}}} names unknown run {bad[0]!r}; "
-                                    f"known: {', '.join(sorted(known))}")
+        if not isinstance(p, Placeholder):
+            continue
+        for run in p.runs():
+            report, name = split_quoted(run)
+            if report is None:
+                if run not in known:
+                    raise FindingsError(f"{where}: placeholder {{{p.text}}} names unknown run {run!r}; "
+                                        f"known: {', '.join(sorted(known))}")
+                continue
+            try:  # both parts are file-name safe: REPORT names <REPORT>.csv beside this report
+                check_name("quoted report", report), check_name("quoted run", name)
+            except ValueError as e:
+                raise FindingsError(f"{where}: placeholder {{{p.text}}} quotes {run!r} ({e}); a run of "
+                                    "another report is written REPORT/RUN, e.g. smollm2_ptq/awq-w4-g64") from None
 
 
 def check_domains(template: str, known, where: str = "findings") -> None:
@@ -369,7 +369,7 @@ def findings_section(template: str, df, summary, formats: dict[str, str],
         rows.update({f"{report}/{run}": row for run, row in (report_rows_ or {}).items()})
     absent = sorted({r for p in parse(template) if isinstance(p, Placeholder) for r in p.runs() if r not in rows})
     if absent:
-        where = "this report" + (" or the report it quotes" if any("/" in r for r in absent) else "")
+        where = "this report" + (" or the report it quotes" if any(split_quoted(r)[0] for r in absent) else "")
         return (HEADER + f"\n\n**Not generated:** the template names run(s) {', '.join(absent)} that have no row in "
                 f"{where} (failed, or not run yet); rerun the experiment to fill it in.")
     return HEADER + "\n\n" + render(template, rows, formats).strip()

@@ -38,7 +38,7 @@ from ..models.data import (
     tokenize,
 )
 from ..models.loading import default_cache_dir, load_model, model_info, resolve_device
-from ..reporting.report import scheme, write_report
+from ..reporting.report import LATENCY_REF, SPEED_COLUMNS, scheme, write_report
 from ..transforms.rotation import rotate_model
 from .envinfo import environment
 from .experiment import Experiment, RunSpec
@@ -204,10 +204,6 @@ def _isolated_memory(ctx: _Context, run: RunSpec, model, method_name: str) -> di
                                cache_dir=ctx.cache_dir, threads=torch.get_num_threads())
 
 
-LATENCY_REF = "latency_ref_"  # + the column: the float model's latency measured right before this row's
-LATENCY_PAIRED = ("prefill_ms_p50", "decode_ms_per_token_p50")
-
-
 def _is_float_model(run: RunSpec, method_name: str, model, evaluated) -> bool:
     """True for a run that evaluates the float model itself (method none, nothing else changed): its latency
     is the reference, so no paired one is measured."""
@@ -256,7 +252,7 @@ def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
         new_tokens = exp.eval.decode_tokens if exp.eval.metric == "perplexity" else 0
         if not _is_float_model(run, method.name, model, evaluated):  # paired: the float model just before
             ref = measure_latency(ctx.model, prompt, new_tokens, repeats=exp.eval.latency_repeats)
-            row.update({f"{LATENCY_REF}{k}": ref[k] for k in LATENCY_PAIRED if k in ref})
+            row.update({LATENCY_REF + col: ref[col] for _, col in SPEED_COLUMNS if col in ref})
         row.update(measure_latency(evaluated, prompt, new_tokens, repeats=exp.eval.latency_repeats,
                                    kv=run.kv_cache))
     if isolated:  # every memory column from the fresh process (or memory_probe saying why there are none)
