@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from experiments.smollm2_speed import cpu_facts
+from quantlab.calibration import blocks
 from quantlab.core.lifecycle import quant_linears, quantize
 from quantlab.core.registry import make_config
-from quantlab.methods import blocks
 from quantlab.mixed.sensitivity import sweep
 from quantlab.models.data import calibration_windows, load_token_ids
 from quantlab.models.loading import load_model

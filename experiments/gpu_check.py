@@ -27,11 +27,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from quantlab.eval.bench import SPEED_COLUMNS, BenchConfig, estimate_for, interleaved_latency, prepare, speed_table  # noqa: E402
 from quantlab.eval.estimate import MIB  # noqa: E402
 from quantlab.eval.latency import measure_latency  # noqa: E402
 from quantlab.models.loading import load_model  # noqa: E402
 from quantlab.reporting.report import markdown_table  # noqa: E402
+from quantlab.runs.bench import SPEED_COLUMNS, BenchConfig, estimate_for, interleaved_latency, prepare, speed_table  # noqa: E402
 from quantlab.runs.envinfo import environment  # noqa: E402
 
 W8 = {"method": "rtn", "bits": 8}

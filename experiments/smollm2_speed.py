@@ -4,7 +4,7 @@
     python3 experiments/smollm2_speed.py --smoke                # ~2 min: tiny shapes, 1 round
 
 Prefill 512 tokens, then greedy decode 64 tokens (no early stop), at batch 1 and 8; every
-configuration measured side by side, interleaved round by round (see quantlab.eval.bench); quantized
+configuration measured side by side, interleaved round by round (see quantlab.runs.bench); quantized
 configurations run torchao kernels exported from quantlab's own codes. Peak RSS comes from a
 fresh subprocess per configuration and batch (quantlab.eval.memprobe), next to the estimate of
 quantlab.eval.estimate for the same shapes. Writes reports/smollm2_speed.{csv,md}.
@@ -29,11 +29,11 @@ from tqdm.auto import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from quantlab.eval.bench import SPEED_COLUMNS, BenchConfig, estimate_for, interleaved_latency, prepare, speed_table  # noqa: E402
 from quantlab.eval.estimate import MIB  # noqa: E402
 from quantlab.eval.memprobe import measure_peak_memory  # noqa: E402
 from quantlab.models.loading import load_model  # noqa: E402
 from quantlab.reporting.report import markdown_table  # noqa: E402
+from quantlab.runs.bench import SPEED_COLUMNS, BenchConfig, estimate_for, interleaved_latency, prepare, speed_table  # noqa: E402
 from quantlab.runs.envinfo import environment  # noqa: E402
 
 MODEL = "smollm2-135m"

@@ -4,7 +4,7 @@
 >>> model, tok = quantlab.load_model("smollm2-135m")
 >>> quantlab.quantize(model, quantlab.RTNConfig(bits=4, group_size=64))
 """
-from . import methods  # noqa: F401  (registers the built-in methods)
+from . import extras, methods  # noqa: F401  (registers the built-in methods and run extras)
 from .backends.serialize import load_quantized, save_quantized
 from .core.lifecycle import quantize, run_calibration, select_linears
 from .core.qlinear import QuantLinear, WeightSpec

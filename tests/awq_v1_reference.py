@@ -17,11 +17,11 @@ import math
 import torch
 from torch import nn
 
+from quantlab.calibration.blocks import capture_block_inputs, run_block
+from quantlab.calibration.smoothing import apply_scale, group_applies
 from quantlab.core.observers import HessianObserver
-from quantlab.core.primitives import _grouped, fake_quantize, n_groups, qparams_from_range
+from quantlab.core.primitives import fake_quantize, grouped, n_groups, qparams_from_range
 from quantlab.core.qlinear import QuantLinear
-from quantlab.methods.blocks import capture_block_inputs, run_block
-from quantlab.methods.smoothing import apply_scale, group_applies
 from quantlab.models.arch import arch_for, find_blocks
 
 
@@ -62,7 +62,7 @@ def _diagonal_blocks(gram, group_size):
 
 def _search_clip(w, gram, spec, ratios):
     w = w.detach().float()
-    wg = _grouped(w, spec.group_size)
+    wg = grouped(w, spec.group_size)
     xmin, xmax = wg.amin(-1), wg.amax(-1)
     blocks = _diagonal_blocks(gram.float(), spec.group_size)
 
@@ -71,7 +71,7 @@ def _search_clip(w, gram, spec, ratios):
 
     best_err, best_ratio = torch.full_like(xmin, math.inf), torch.ones_like(xmin)
     for ratio in ratios:
-        delta = _grouped(w - _fq(w, spec, clipped(ratio)), spec.group_size).transpose(0, 1)
+        delta = grouped(w - _fq(w, spec, clipped(ratio)), spec.group_size).transpose(0, 1)
         err = (torch.bmm(delta, blocks) * delta).sum(-1).transpose(0, 1)
         better = err < best_err
         best_err, best_ratio = torch.where(better, err, best_err), torch.where(better, ratio, best_ratio)

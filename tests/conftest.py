@@ -25,7 +25,7 @@ SAMPLE_TEXT = (
 def lock_held_elsewhere():
     """lock_held_elsewhere(results, seconds): a context in which another thread holds results_lock(results) for
     `seconds`; it yields a list that gets the time.time() of the release, and joins the thread on exit."""
-    from quantlab.runs.results import results_lock
+    from quantlab.reporting.results import results_lock
 
     @contextmanager
     def hold(results: Path, seconds: float):

@@ -23,8 +23,7 @@ LAST_MLP_0 = {"gpt2": "transformer.h.0.mlp.c_proj", "opt": "model.decoder.layers
 
 def _tiny(kind: str, seed: int = 0) -> nn.Module:
     """A 2-block random model (hidden 64); norms get random weights/biases so folding is really exercised."""
-    from transformers import (GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     if kind == "gpt2":

@@ -7,12 +7,12 @@ import torch
 from torch import nn
 
 import quantlab
+from quantlab.calibration.blocks import run_block
 from quantlab.core.lifecycle import quant_linears
 from quantlab.core.primitives import fake_quantize
 from quantlab.core.qlinear import WeightSpec
 from quantlab.methods import autoround
 from quantlab.methods.autoround import AutoRoundConfig, autoround_qdq
-from quantlab.methods.blocks import run_block
 
 
 def _calib(n=4, tokens=32):

@@ -10,12 +10,12 @@ from awq_v1_reference import build_model, calibration_ids
 from torch import nn
 
 import quantlab
+from quantlab.calibration.awq_search import awq_scale, fake_quant_weight, search_clip_symmetric
+from quantlab.calibration.blocks import capture_block_inputs
 from quantlab.core.lifecycle import quant_linears, swap_in_quant_linears
 from quantlab.core.qlinear import WeightSpec
 from quantlab.core.registry import config_to_dict, get_method, make_config, method_versions
 from quantlab.methods.awq import AWQConfig, awq_block, float_weights
-from quantlab.methods.awq_search import awq_scale, fake_quant_weight, search_clip_symmetric
-from quantlab.methods.blocks import capture_block_inputs
 from quantlab.methods.rtn import RTNConfig
 from quantlab.models.arch import arch_for
 

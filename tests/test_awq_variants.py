@@ -5,11 +5,11 @@ import pytest
 import torch
 from awq_v1_reference import CASES, awq_v1_calibrate, build_model, calibration_ids
 
+from quantlab.calibration.awq_search import minmax_clip_ratios, scaled_error, search_clip, search_scale
+from quantlab.calibration.blocks import capture_block_inputs, run_block
 from quantlab.core.lifecycle import swap_in_quant_linears
 from quantlab.core.qlinear import QuantLinear, WeightSpec
 from quantlab.methods.awq import AWQConfig, awq_block, awq_scale, fake_quant_weight, float_weights
-from quantlab.methods.awq_search import minmax_clip_ratios, scaled_error, search_clip, search_scale
-from quantlab.methods.blocks import capture_block_inputs, run_block
 from quantlab.methods.rtn import RTNConfig
 from quantlab.models.arch import arch_for
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from awq_v1_reference import build_model, calibration_ids
 
-from quantlab.methods.blocks import ModuleCalls, capture_block_inputs, for_each_block, run_block
+from quantlab.calibration.blocks import ModuleCalls, capture_block_inputs, for_each_block, run_block
 
 
 def _recorded(model, name, ids, batch_tokens):

@@ -11,8 +11,8 @@ import pytest
 
 from quantlab import get_method
 from quantlab.cli import main
+from quantlab.reporting.results import results_lock
 from quantlab.runs.experiment import load_experiment
-from quantlab.runs.results import results_lock
 
 BAR = re.compile(r"\d+%\||it/s\]|s/it\]")  # what a tqdm bar prints
 

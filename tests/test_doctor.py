@@ -9,6 +9,7 @@ from torch import nn
 
 from quantlab import doctor
 from quantlab.cli import main
+from quantlab.util import device as device_util
 
 CPU = torch.device("cpu")
 
@@ -103,7 +104,7 @@ def test_memory_too_small_is_an_error_with_a_hint(tiny_model):
 
 def test_bf16_slower_than_fp32_warns(monkeypatch):
     ms = {torch.float32: 1.0, torch.bfloat16: 3.0, torch.float16: 0.5}
-    monkeypatch.setattr(doctor.environment, "matmul_ms", lambda dtype, *a, **k: ms[dtype])
+    monkeypatch.setattr(device_util, "matmul_ms", lambda dtype, *a, **k: ms[dtype])
     got = statuses(doctor.half_precision_rows(CPU))
     assert got == {"bfloat16 matmul": "warn", "float16 matmul": "ok"}
 

@@ -156,7 +156,7 @@ def test_run_keys_mixed_calibration_and_per_run_calibration(tiny_model_dir, smal
     assert df.loc["gptq", "calib_source"] == "file:sample.txt"
     md = (tmp_path / "tiny_domains.md").read_text()  # the protocol names the run with its own calibration
     assert "of file:sample.txt (never the test split). gptq-mixed: 4 windows of 32 tokens of sample (1 windows)" in md
-    ctx = runner._Context(exp, cpu, None, None, progress=False)  # the mixed draw is each dataset's own draw
+    ctx = runner.EvalContext(exp, cpu, None, None, progress=False)  # the mixed draw is each dataset's own draw
     windows = ctx.calibration(0, exp.runs[2].calibration)
     sample_only = ctx.calibration(0, dataclasses.replace(exp.calibration, num_samples=1))
     assert windows.shape == (4, 32) and torch.equal(windows[:1], sample_only)

@@ -131,11 +131,11 @@ def test_runner_writes_rows_resumes_and_reports(tiny_model_dir, tmp_path, monkey
     assert "**Protocol.**" in md and "4 non-overlapping windows of seq_len 32" in md and "| w4g32 |" in md
     assert "× speed: the float model's latency measured in the same process just before the row's" in md
 
-    real_context, real_evaluate, calls = runner._Context, runner._evaluate_run, []
-    monkeypatch.setattr(runner, "_Context", None)  # all runs done: the model must not even load
+    real_context, real_evaluate, calls = runner.EvalContext, runner.evaluate_run, []
+    monkeypatch.setattr(runner, "EvalContext", None)  # all runs done: the model must not even load
     runner.run_experiment(exp, tmp_path, progress=False)
-    monkeypatch.setattr(runner, "_Context", real_context)
-    monkeypatch.setattr(runner, "_evaluate_run", lambda ctx, run: calls.append(run.name) or real_evaluate(ctx, run))
+    monkeypatch.setattr(runner, "EvalContext", real_context)
+    monkeypatch.setattr(runner, "evaluate_run", lambda ctx, run: calls.append(run.name) or real_evaluate(ctx, run))
     changed = _experiment(tiny_model_dir, runs=[{"name": "fp32", "method": "none"}, {"name": "w8", "method": "rtn", "bits": 8},
                                                 {"name": "w4g32", "method": "rtn", "bits": 4, "group_size": 16}])
     df = runner.run_experiment(changed, tmp_path, progress=False)
@@ -147,19 +147,19 @@ def test_runner_writes_rows_resumes_and_reports(tiny_model_dir, tmp_path, monkey
 
 def test_a_failing_run_keeps_finished_rows(tiny_model_dir, tmp_path, monkeypatch):
     exp = _experiment(tiny_model_dir)
-    real = runner._evaluate_run
+    real = runner.evaluate_run
 
     def flaky(ctx, run):
         if run.name == "w8":
             raise RuntimeError("simulated crash")
         return real(ctx, run)
 
-    monkeypatch.setattr(runner, "_evaluate_run", flaky)
+    monkeypatch.setattr(runner, "evaluate_run", flaky)
     with pytest.raises(RuntimeError, match=r"1 run\(s\) failed .*w8: simulated crash"):
         runner.run_experiment(exp, tmp_path, progress=False)
     rows = [json.loads(line) for line in (tmp_path / "tiny.results.jsonl").read_text().splitlines()]
     assert [r["run"] for r in rows] == ["fp32", "w4g32"]
-    monkeypatch.setattr(runner, "_evaluate_run", real)
+    monkeypatch.setattr(runner, "evaluate_run", real)
     df = runner.run_experiment(exp, tmp_path, progress=False)  # the rerun only does w8, order is the file's
     assert list(df["run"]) == ["fp32", "w8", "w4g32"]
 

@@ -10,8 +10,16 @@ import pytest
 
 from quantlab.cli import main
 from quantlab.reporting import stats
-from quantlab.reporting.findings import (FindingsError, Placeholder, check_runs, findings_section, parse, quoted_reports,
-                                         render, report_rows)
+from quantlab.reporting.findings import (
+    FindingsError,
+    Placeholder,
+    check_runs,
+    findings_section,
+    parse,
+    quoted_reports,
+    render,
+    report_rows,
+)
 from quantlab.reporting.regenerate import regenerate_report
 from quantlab.reporting.report import TABLE_COLUMNS, add_intervals, add_ratios, summarize_seeds
 from quantlab.runs import runner
@@ -240,7 +248,7 @@ def test_experiment_checks_run_names_at_load(tiny_model_dir, tmp_path, monkeypat
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded")
-    monkeypatch.setattr(runner, "_Context", no_model)
+    monkeypatch.setattr(runner, "EvalContext", no_model)
     assert main(["run", str(bad), "--reports-dir", str(tmp_path)]) == 1  # fails before any model loads
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import json
 import importlib.util
+import json
 import types
 from pathlib import Path
 
@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import quantlab
+from quantlab.calibration.blocks import capture_block_calls, capture_block_inputs, run_block
+from quantlab.calibration.smoothing import apply_scale, group_applies
 from quantlab.core.lifecycle import quant_linears
 from quantlab.core.registry import get_method, make_config
-from quantlab.methods.blocks import capture_block_calls, capture_block_inputs, run_block
 from quantlab.methods.gptq import _stages
-from quantlab.methods.smoothing import apply_scale, group_applies
 from quantlab.methods.smoothquant import collect_smoothing_stats, smooth, smoothing_groups
 from quantlab.models import loading
 from quantlab.models.arch import ARCH, find_blocks
@@ -398,9 +398,9 @@ def test_gemma3_config_and_estimate_from_the_gguf_header_alone(tmp_path, monkeyp
     """With an empty cache: the config comes from the first chunk's GGUF header (nothing assembled, converted or
     written); reference: transformers' own GGUF config reader, and the converted checkpoint's config.json."""
     import gguf as gguf_package
+    from ci_policy import require_model
     from transformers import AutoConfig
 
-    from ci_policy import require_model
     from quantlab.eval.estimate import estimate_memory
 
     require_model(ALIAS)
@@ -429,12 +429,12 @@ def test_gemma3_config_and_estimate_from_the_gguf_header_alone(tmp_path, monkeyp
 
 def test_a_bos_experiment_states_it_and_feeds_it_to_calibration(tiny_model_dir, tmp_path, monkeypatch):
     """On the tiny Llama (BOS <s>): every eval and calibration window starts with it, rows and report say so."""
-    from quantlab.runs import runner
+    from quantlab.runs import evaluate, runner
     from quantlab.runs.experiment import parse_experiment
 
     seen = []
-    real = runner.calibration_windows
-    monkeypatch.setattr(runner, "calibration_windows", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    real = evaluate.calibration_windows
+    monkeypatch.setattr(evaluate, "calibration_windows", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     exp = parse_experiment({
         "name": "tiny_bos", "model": str(tiny_model_dir), "device": "cpu",
         "eval": {"dataset": str(tiny_model_dir / "sample.txt"), "seq_len": 32, "max_windows": 3, "kl_windows": 1,

@@ -186,8 +186,8 @@ def test_stages_of_the_tiny_llama_block(tiny_model, true_sequential):
 def test_stopping_each_stage_pass_early_changes_nothing(tiny_model_dir, monkeypatch, true_sequential):
     """Stage passes stop once the stage's layers have their inputs (methods/blocks.observe_block); reference:
     the previous full block forward per stage. Same Hessians, so bitwise the same codes and scales."""
+    from quantlab.calibration import blocks
     from quantlab.core.lifecycle import quant_linears
-    from quantlab.methods import blocks
 
     calib = [torch.randint(0, 300, (1, 32), generator=torch.Generator().manual_seed(s)) for s in range(3)]
     spec = {"method": "gptq", "bits": 3, "group_size": 32, "true_sequential": true_sequential}
@@ -212,7 +212,7 @@ def test_stopping_each_stage_pass_early_changes_nothing(tiny_model_dir, monkeypa
 
 def test_observe_block_stops_at_the_last_observed_layer(tiny_model):
     """The q/k/v stage never reaches the MLP; a stage whose layer is never called runs the whole block."""
-    from quantlab.methods.blocks import observe_block
+    from quantlab.calibration.blocks import observe_block
     from quantlab.models.arch import find_blocks
 
     model, _ = tiny_model

@@ -9,8 +9,8 @@ import quantlab.qat.train as train_mod
 from quantlab.core.lifecycle import quant_linears
 from quantlab.core.primitives import n_groups
 from quantlab.methods.lora import merge_adapters
-from quantlab.methods.lora_layer import QuantLoraLinear
 from quantlab.qat.checkpoint import load_checkpoint
+from quantlab.qat.lora_layer import QuantLoraLinear
 from quantlab.qat.train import distill_loss
 from quantlab.runs import runner
 from quantlab.runs.experiment import parse_experiment

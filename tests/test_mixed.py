@@ -124,8 +124,8 @@ def test_formats_are_mixed_precision_candidates_and_the_run_table_is_toml():
     overrides naming each layer's format, with no null the TOML writer could not store."""
     import tomlkit
 
-    from quantlab.core.registry import config_to_dict
     from quantlab.core.qlinear import QuantLinear
+    from quantlab.core.registry import config_to_dict
 
     candidates = [make_config({"method": "rtn", "format": f}) for f in ("mxfp4", "nf4", "fp8_e4m3")]
     rows = []

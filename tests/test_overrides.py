@@ -12,8 +12,10 @@ from quantlab import make_config
 from quantlab.core.lifecycle import quant_linears
 from quantlab.core.overrides import LayerOverride
 from quantlab.core.primitives import fake_quantize, qparams, sqnr_db
+from quantlab.core.registry import non_default_fields
+from quantlab.reporting.results import read_rows
+from quantlab.runs.evaluate import run_key
 from quantlab.runs.experiment import load_experiment, parse_experiment
-from quantlab.runs.runner import non_default_fields, read_rows, run_key
 from quantlab.runs.tomlwrite import experiment_toml
 
 OVERRIDES = [

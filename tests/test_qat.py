@@ -327,7 +327,7 @@ def test_ce_only_needs_no_teacher_and_bf16_autocast_runs():
 def test_bf16_training_on_a_cpu_without_native_bf16_warns_once(monkeypatch, caplog, bf16_ms, warns):
     """A bf16 matmul >= 2x the fp32 one (AVX2: ~12x measured) warns, naming float32 as the faster dtype; float32
     training probes nothing."""
-    from quantlab.doctor import environment
+    from quantlab.util import device as device_util
 
     calls = []
 
@@ -335,7 +335,7 @@ def test_bf16_training_on_a_cpu_without_native_bf16_warns_once(monkeypatch, capl
         calls.append(dtype)
         return bf16_ms if dtype == torch.bfloat16 else 1.0
 
-    monkeypatch.setattr(environment, "matmul_ms", fake_matmul_ms)
+    monkeypatch.setattr(device_util, "matmul_ms", fake_matmul_ms)
     with caplog.at_level(logging.WARNING, logger="quantlab.qat.train"):
         stats = quantlab.quantize(copy.deepcopy(_tiny_lm()), _qat(ce_weight=1.0, kd_weight=0.0, dtype="bfloat16",
                                                                   steps=1), training=_data(), progress=False)

@@ -64,8 +64,8 @@ def test_a_batch_the_processes_cannot_split_fails_clearly():
 
 @pytest.mark.slow
 def test_the_runner_trains_with_execution_qat_processes(tiny_model_dir, tmp_path):
+    from quantlab.reporting.results import read_rows
     from quantlab.runs.experiment import parse_experiment
-    from quantlab.runs.results import read_rows
     from quantlab.runs.runner import run_experiment
 
     text = str(tiny_model_dir / "sample.txt")

@@ -9,9 +9,9 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llama
 from quantlab.core import qembedding
 from quantlab.core.primitives import dequantize, qparams, quantize
 from quantlab.core.qembedding import EmbeddingQuantConfig, QuantEmbedding, QuantTiedHead, quantize_embedding
+from quantlab.core.registry import make_config
 from quantlab.eval.memory import weight_stats
 from quantlab.runs import runner
-from quantlab.core.registry import make_config
 from quantlab.runs.experiment import RunSpec, parse_experiment
 
 IDS = torch.tensor([[1, 5, 17, 200, 3, 299, 42, 7, 0, 64]])
@@ -91,7 +91,7 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match=r"unknown embedding scale_dtype 'float8'"):
         EmbeddingQuantConfig(scale_dtype="float8")
     with pytest.raises(ValueError, match=r"embedding: unknown key\(s\) 'bitz'; valid: bits, scale_dtype"):
-        RunSpec("emb", make_config({"method": "none"}), embedding={"bitz": 8})  # the experiment file's path
+        RunSpec("emb", make_config({"method": "none"}), extras={"embedding": {"bitz": 8}})  # the experiment file's path
     with pytest.raises(ValueError, match="needs a model whose get_input_embeddings"):
         quantize_embedding(nn.Linear(4, 4), EmbeddingQuantConfig())
 
@@ -110,7 +110,7 @@ def test_experiment_run_quantizes_the_embedding(tiny_model_dir, tmp_path):
     keys = {runner.run_key(exp, r, torch.device("cpu")) for r in exp.runs}
     assert len(keys) == 3
     df = runner.run_experiment(exp, tmp_path, progress=False).set_index("run")
-    assert df.loc["fp32-emb8", "scheme"] == "float32 + emb8" and df.loc["w4-emb8", "scheme"] == "w4 g32 sym + emb8"
+    assert df.loc["fp32-emb8", "scheme"] == "float32 + emb8 per-row" and df.loc["w4-emb8", "scheme"] == "w4 g32 sym + emb8 per-row"
     assert df.loc["fp32-emb8", "embedding_quant"] == "emb8 per-row" and df.loc["fp32-emb8", "embedding_head_tied"]
     assert df.loc["fp32-emb8", "embedding_bytes"] == 300 * 64 + 300 * 2
     assert df.loc["fp32-emb8", "weight_bytes"] < df.loc["fp32", "weight_bytes"]

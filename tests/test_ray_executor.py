@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from quantlab.reporting.results import read_rows
 from quantlab.runs.experiment import parse_experiment
-from quantlab.runs.results import read_rows
 from quantlab.runs.runner import run_experiment
 
 TIMING = ("_s", "timestamp", "device_name", "eval_batch_size")  # columns that may differ between executors

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 import quantlab
+from quantlab.calibration.blocks import capture_block_inputs, run_block
 from quantlab.core.observers import HessianObserver
 from quantlab.core.primitives import fake_quantize
 from quantlab.methods import gptq as gptq_mod
-from quantlab.methods.blocks import capture_block_inputs, run_block
 from quantlab.models.data import calibration_windows, load_token_ids
 
 pytestmark = [pytest.mark.slow, pytest.mark.needs_model("smollm2-135m")]

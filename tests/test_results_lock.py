@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from quantlab.runs.results import ResultsLocked, results_lock
+from quantlab.reporting.results import ResultsLocked, results_lock
 
 HOLDER = """
 import sys, time
-from quantlab.runs.results import results_lock
+from quantlab.reporting.results import results_lock
 with results_lock(sys.argv[1]):
     print("locked", flush=True)
     time.sleep(600)
@@ -71,7 +71,7 @@ def test_stale_lock_of_a_dead_pid_is_taken_over(tmp_path, caplog):
     dead.wait()
     lock = tmp_path / "exp.results.jsonl.lock"
     lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "2024-01-01T00:00:00+00:00"}))
-    with caplog.at_level(logging.WARNING, logger="quantlab.runs.results"):
+    with caplog.at_level(logging.WARNING, logger="quantlab.reporting.results"):
         with results_lock(tmp_path / "exp.results.jsonl"):
             assert json.loads(lock.read_text())["pid"] == os.getpid()
     assert f"taking over the stale lock {lock} left by PID {dead.pid} on {socket.gethostname()}" in caplog.text
@@ -92,7 +92,7 @@ def test_lock_of_a_killed_process(tmp_path, caplog):
         proc.kill()
         proc.wait()
     assert (tmp_path / "exp.results.jsonl.lock").exists()  # left behind
-    with caplog.at_level(logging.WARNING, logger="quantlab.runs.results"):
+    with caplog.at_level(logging.WARNING, logger="quantlab.reporting.results"):
         with results_lock(results):
             pass
     assert f"left by PID {proc.pid}" in caplog.text and "(no longer running)" in caplog.text

@@ -147,7 +147,7 @@ def test_experiment_runs_rotate_and_say_so(tiny_model_dir, tmp_path):
     by = df.set_index("run")
     assert by.loc["fp32-rot", "ppl"] == pytest.approx(by.loc["fp32", "ppl"], rel=1e-5)
     assert by.loc["fp32-rot", "rotation"] == "rot hadamard R1+R2+R4" and bool(by.loc["fp32-rot", "rotation_untied_head"])
-    assert by.loc["w4a4-rot", "scheme"] == "w4 channel sym + a4 dynamic + rot R1R2R4"
+    assert by.loc["w4a4-rot", "scheme"] == "w4 channel sym + a4 dynamic + rot hadamard R1+R2+R4"
     # the untied head is counted: the rotated float model holds one more vocab x hidden matrix
     assert by.loc["fp32-rot", "weight_bytes"] == by.loc["fp32", "weight_bytes"] + 300 * 64 * 4
 
@@ -166,7 +166,7 @@ def test_bad_rotation_runs_fail_before_loading(tiny_model_dir, run, match):
 
 def test_rotation_with_r4_off_composes_with_awq(tiny_model_dir):
     exp = _tiny_experiment(tiny_model_dir, [{"name": "a", "method": "awq", "rotation": {"r4": False}}])
-    assert exp.runs[0].rotation == RotationConfig(r4=False)
+    assert exp.runs[0].extra("rotation") == RotationConfig(r4=False)
 
 
 @pytest.mark.slow
@@ -205,9 +205,9 @@ def test_experiment_runs_quantize_the_kv_cache(tiny_model_dir, tmp_path):
     df = runner.run_experiment(exp, tmp_path, progress=False).set_index("run")
     assert df.loc["kv16", "ppl"] == df.loc["fp32", "ppl"] and df.loc["kv16", "kl_mean"] == 0
     assert df.loc["kv4", "ppl"] != df.loc["fp32", "ppl"] and df.loc["kv4", "kl_mean"] > 0
-    assert df.loc["kv4", "kv_cache"] == "kv4 ghead asym" and df.loc["kv4", "scheme"] == "float32 + kv4"
+    assert df.loc["kv4", "kv_cache"] == "kv4 ghead asym" and df.loc["kv4", "scheme"] == "float32 + kv4 ghead asym"
     assert df.loc["kv4", "kv_cache_mib"] < df.loc["kv4", "kv_cache_float_mib"]
-    assert df.loc["w4a4-rot-kv4", "scheme"] == "w4 channel sym + a4 dynamic + rot R1R2R4 + kv4 rotK"
+    assert df.loc["w4a4-rot-kv4", "scheme"] == "w4 channel sym + a4 dynamic + rot hadamard R1+R2+R4 + kv4 ghead asym rotk"
     with pytest.raises(ValueError, match=r"kv_cache: unknown key\(s\) 'bitz'"):
         _tiny_experiment(tiny_model_dir, [{"name": "a", "method": "none", "kv_cache": {"bitz": 4}}])
 
@@ -270,9 +270,9 @@ def test_scheme_names_rotation_scope_and_kv_rotation():
     from quantlab.reporting.report import scheme
 
     base = {"method": "rtn", "bits": 4, "group_size": 64, "symmetric": False}
-    assert scheme({**base, "rotation": {"kind": "hadamard"}}, "float32") == "w4 g64 asym + rot R1R2R4"
-    assert scheme({**base, "rotation": {"kind": "random", "r4": False}}, "float32") == "w4 g64 asym + rot R1R2 random"
-    assert scheme({**base, "rotation": {"scope": "online"}}, "float32") == "w4 g64 asym + rot online"
-    assert scheme({"method": "none", "kv_cache": {"bits": 4}}, "float32") == "float32 + kv4"
-    assert scheme({"method": "none", "kv_cache": {"bits": 4, "rotate_k": True}}, "float32") == "float32 + kv4 rotK"
-    assert scheme({"method": "none", "kv_cache": {"bits": 16}}, "float32") == "float32"
+    assert scheme({**base, "rotation": {"kind": "hadamard"}}, "float32") == "w4 g64 asym + rot hadamard R1+R2+R4"
+    assert scheme({**base, "rotation": {"kind": "random", "r4": False}}, "float32") == "w4 g64 asym + rot random R1+R2"
+    assert scheme({**base, "rotation": {"scope": "online"}}, "float32") == "w4 g64 asym + rot online hadamard (every linear input)"
+    assert scheme({"method": "none", "kv_cache": {"bits": 4}}, "float32") == "float32 + kv4 ghead asym"
+    assert scheme({"method": "none", "kv_cache": {"bits": 4, "rotate_k": True}}, "float32") == "float32 + kv4 ghead asym rotk"
+    assert scheme({"method": "none", "kv_cache": {"bits": 16}}, "float32") == "float32 + kv16"

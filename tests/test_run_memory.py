@@ -10,7 +10,7 @@ import torch
 
 import quantlab
 from quantlab.backends.serialize import load_quantized, save_quantized
-from quantlab.runs import runner
+from quantlab.runs import evaluate, runner
 from quantlab.runs.experiment import EvalProtocol, parse_experiment
 
 PPL = sys.modules["quantlab.eval.perplexity"]  # the module (quantlab.eval exports the function by that name)
@@ -100,8 +100,8 @@ def test_cuda_peak_is_reset_right_before_the_measured_phase(tiny_model_dir, tmp_
 
     for name in ("quantize", "_isolated_memory", "export_for_run", "reset_peak_memory", "perplexity",
                  "measure_latency"):
-        monkeypatch.setattr(runner, name, record(name, getattr(runner, name)))
-    monkeypatch.setattr(runner, "isolated_run_memory", lambda *a, **k: {})  # the order is the point, not the probe
+        monkeypatch.setattr(evaluate, name, record(name, getattr(evaluate, name)))
+    monkeypatch.setattr(evaluate, "isolated_run_memory", lambda *a, **k: {})  # the order is the point, not the probe
     runs = [{"name": "w4", "method": "rtn", "bits": 4, "group_size": 32}]
     exp = _experiment(tiny_model_dir, runs, memory="isolated", latency=True, prefill_tokens=8, decode_tokens=2,
                       latency_repeats=1)
@@ -122,7 +122,7 @@ def test_runner_kl_is_the_stored_reference_kl_exactly(tiny_model_dir, tmp_path, 
         seen.append((live["kl_mean"], stored["kl_mean"], live["top1_agree"], stored["top1_agree"]))
         return live
 
-    monkeypatch.setattr(runner, "perplexity", checked)
+    monkeypatch.setattr(evaluate, "perplexity", checked)
     runs = [{"name": "fp32", "method": "none"}, {"name": "w3", "method": "rtn", "bits": 3, "group_size": 32}]
     df = runner.run_experiment(_experiment(tiny_model_dir, runs), tmp_path, progress=False)
     assert len(seen) == 2 and all(a == b and c == d for a, b, c, d in seen)
@@ -132,7 +132,7 @@ def test_runner_kl_is_the_stored_reference_kl_exactly(tiny_model_dir, tmp_path, 
 
 def test_a_run_that_modifies_the_float_model_is_an_error(tiny_model_dir, tmp_path, monkeypatch):
     """The float model is the KL reference of every run: a run that changes it in place must not pass silently."""
-    real = runner.quantize
+    real = evaluate.quantize
 
     def spoil(model, config, **kwargs):
         out = real(model, config, **kwargs)
@@ -141,15 +141,15 @@ def test_a_run_that_modifies_the_float_model_is_an_error(tiny_model_dir, tmp_pat
                 next(ctx_model[0].parameters()).mul_(1.0)  # in place: bumps the version, values unchanged
         return out
 
-    ctx_model, real_context = [], runner._Context
+    ctx_model, real_context = [], runner.EvalContext
 
     def context(*args, **kwargs):
         ctx = real_context(*args, **kwargs)
         ctx_model.append(ctx.model)
         return ctx
 
-    monkeypatch.setattr(runner, "_Context", context)
-    monkeypatch.setattr(runner, "quantize", spoil)
+    monkeypatch.setattr(runner, "EvalContext", context)
+    monkeypatch.setattr(evaluate, "quantize", spoil)
     runs = [{"name": "fp32", "method": "none"}, {"name": "w4", "method": "rtn", "bits": 4, "group_size": 32}]
     with pytest.raises(RuntimeError, match=r"1 run\(s\) failed .*w4: the float model \(KL reference, baseline\) "
                                            r"was modified"):

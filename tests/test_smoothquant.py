@@ -6,12 +6,12 @@ import torch
 from torch import nn
 
 import quantlab
+from quantlab.calibration.smoothing import apply_scale, group_applies
 from quantlab.core.activations import DynamicActQuant, StaticActQuant
 from quantlab.core.lifecycle import quant_linears, swap_in_quant_linears
 from quantlab.core.primitives import fake_quantize, qparams, sqnr_db
 from quantlab.core.qlinear import WeightSpec
 from quantlab.core.registry import LayerSelection, config_to_dict, get_method, make_config, method_versions
-from quantlab.methods.smoothing import apply_scale, group_applies
 from quantlab.methods.smoothquant import (
     ALPHA_GRID,
     SEARCH_ROWS,

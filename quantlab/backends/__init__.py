@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..core.checks import check_choice
+from ..util.checks import check_choice
 from .kernels import KERNELS, KernelChoice, choose_kernel
 from .modules import TorchaoLinear
 from .torchao import PARITY_TOLERANCE, export_torchao, export_with_parity, logits_diff, plan_export, torchao_available
@@ -46,7 +46,7 @@ def export_model(model: nn.Module, backend: str, probe_ids: torch.Tensor | None 
     return export_with_parity(model, probe_ids)
 
 
-def export_for_run(model: nn.Module, backend: str, method: str, probe_ids: torch.Tensor,
+def export_for_run(model: nn.Module, backend: str, quantized: bool, probe_ids: torch.Tensor,
                    onnx_dir=None) -> tuple[nn.Module, dict]:
     """The runner's hook: (the model to evaluate, row fields). Simulated: (model, {}) (rows keep their old
     columns); torchao: model exported in place, a plain 'float' for unquantized runs; onnxruntime: an
@@ -57,7 +57,7 @@ def export_for_run(model: nn.Module, backend: str, method: str, probe_ids: torch
         from .ort import export_onnxruntime
 
         return export_onnxruntime(model, Path(onnx_dir) / "model.onnx", probe_ids)
-    if method == "none":
+    if not quantized:
         return model, {"backend": "float", "backend_note": f"backend {backend!r}: nothing quantized to export"}
     return model, export_model(model, backend, probe_ids)
 

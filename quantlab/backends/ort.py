@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from ..core.registry import get_method
 from . import ort_ops
 from .ort_modules import ACCURACY_LEVELS, DequantLinear, OrtLinearA8W8, OrtLinearNBits, ort_kind, swap_for_ort
 
@@ -58,13 +59,11 @@ def check_ort_run(exp, run) -> None:
         raise ValueError(f"{where} exports float32 models; dtype is {exp.dtype!r}")
     if exp.eval.metric != "perplexity":
         raise ValueError(f"{where} exports causal LMs (metric 'perplexity'), not metric {exp.eval.metric!r}")
-    for field, what in (("kv_cache", "a quantized KV cache"), ("embedding", "a quantized embedding"),
-                        ("rotation", "a rotation")):
-        if getattr(run, field) is not None:
-            raise ValueError(f"{where} does not export {what} ({field} = {{...}}); use backend = \"simulated\"")
-    if getattr(run.config, "merge", None) is False:  # lora with adapters kept beside the codes
-        raise ValueError(f"{where} exports quantized linears, not LoRA adapters beside them; set merge = true "
-                         f"(adapters folded and re-quantized) or use backend = \"simulated\"")
+    method = get_method(run.config)  # run extras are refused by each extra (RunSpec asks their refusal())
+    if method.keeps_float_adapters(run.config):  # e.g. lora with its adapters kept beside the codes
+        raise ValueError(f"{where} exports quantized linears, not the float adapters {method.name} keeps beside them "
+                         f"(lora: set merge = true to fold them into re-quantized codes) or use backend = "
+                         f"\"simulated\"")
     if exp.eval.lm_eval_tasks:
         raise ValueError(f"{where}: lm-eval wraps PyTorch models (HFLM), not an ORT session; drop "
                          f"[eval] lm_eval_tasks or use backend = \"simulated\"")

@@ -34,8 +34,8 @@ def _configs(args) -> list:
 def _target(args):
     """(model, dtype, name, eval dataset, seq_len, bos) from an experiment file or a model name; the name (a
     file-name part: reports/<name>.sensitivity.*) is checked here, before anything loads."""
-    from ..core.checks import check_name
     from ..runs.experiment import load_experiment
+    from ..util.checks import check_name
 
     if args.name is not None:
         check_name("--name", args.name)
@@ -53,7 +53,7 @@ def cmd_sensitivity(args) -> int:
     from ..mixed.sensitivity import sweep, validation_windows
     from ..models.data import bos_token_id
     from ..models.loading import load_model
-    from ..runs.results import results_lock
+    from ..reporting.results import results_lock
 
     configs = _configs(args)
     model_name, dtype, name, dataset, seq_len, bos = _target(args)
@@ -77,7 +77,7 @@ def cmd_sensitivity(args) -> int:
 
 def _mixed_names(args) -> tuple[list[str], list[str]]:
     """Run names for the bits and MiB targets, checked (they become file-name parts) before anything loads."""
-    from ..core.checks import check_name
+    from ..util.checks import check_name
 
     if not args.target_bits and not args.target_mib:
         raise ValueError("give --target-bits and/or --target-mib")
@@ -93,7 +93,7 @@ def _read_sensitivity(path: Path) -> list[dict]:
 
     import pandas as pd
 
-    from ..core.checks import read_utf8
+    from ..util.checks import read_utf8
 
     rows = pd.read_csv(io.StringIO(read_utf8(path))).to_dict("records")  # not UTF-8: names the file and byte
     for r in rows:  # pandas reads an empty group_size as NaN; the config column is the source of truth
@@ -102,10 +102,10 @@ def _read_sensitivity(path: Path) -> list[dict]:
 
 
 def cmd_mixed(args) -> int:
-    from ..core.checks import read_utf8
     from ..mixed.solver import mixed_run_table, plan_summary, solve_budget
     from ..runs.experiment import load_experiment, parse_experiment
     from ..runs.tomlwrite import replace_runs
+    from ..util.checks import read_utf8
 
     exp = load_experiment(args.experiment)
     bits_names, mib_names = _mixed_names(args)

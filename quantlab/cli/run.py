@@ -67,8 +67,8 @@ def cmd_report(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from ..core.checks import read_utf8
     from ..reporting.compare import compare_markdown, compare_reports
+    from ..util.checks import read_utf8
 
     for path in (args.a, args.b):  # a CSV that is not UTF-8 fails naming itself (pandas would not say which)
         if os.path.isfile(path):

@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..util.checks import check_int
 from . import formats
-from .checks import check_int
 from .lifecycle import quant_linears
 from .primitives import QParams, code_range, fake_quantize, qparams, qparams_from_range
 

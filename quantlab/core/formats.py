@@ -39,7 +39,7 @@ from .elements import (  # noqa: F401  (re-exported: formats is the one import f
     finite_magnitudes,
     round_to_element,
 )
-from .primitives import QParams, _grouped, _ungrouped
+from .primitives import QParams, grouped, ungrouped
 
 # ---- formats: an element plus a shared-scale rule -------------------------------------------
 
@@ -108,17 +108,17 @@ def dq_scales(absmax: torch.Tensor) -> dict[str, torch.Tensor]:
     fp32 scale per block (the paper's "8-bit floats"; bitsandbytes uses its own 8-bit dynamic map: a variant)."""
     flat = absmax.float().reshape(-1)
     mean = flat.mean()
-    blocks = _grouped((flat - mean)[None], DQ_BLOCK)[0]  # (n_blocks, 256)
+    blocks = grouped((flat - mean)[None], DQ_BLOCK)[0]  # (n_blocks, 256)
     block_scale = (blocks.abs().amax(-1) / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     codes = encode(blocks / block_scale[:, None], ELEMENTS["e4m3"])
-    return {"dq_codes": _ungrouped(codes[None], flat.numel())[0], "dq_scale": block_scale, "dq_mean": mean}
+    return {"dq_codes": ungrouped(codes[None], flat.numel())[0], "dq_scale": block_scale, "dq_mean": mean}
 
 
 def dq_absmax(parts: dict[str, torch.Tensor], shape: torch.Size) -> torch.Tensor:
     """The absmax values double quantization stores (dequantized), shaped like the original; clamped > 0."""
-    codes = _grouped(parts["dq_codes"][None].float(), DQ_BLOCK)[0].to(torch.uint8)  # (n_blocks, 256)
+    codes = grouped(parts["dq_codes"][None].float(), DQ_BLOCK)[0].to(torch.uint8)  # (n_blocks, 256)
     values = decode(codes, ELEMENTS["e4m3"]) * parts["dq_scale"][:, None] + parts["dq_mean"]
-    flat = _ungrouped(values[None], parts["dq_codes"].numel())[0]
+    flat = ungrouped(values[None], parts["dq_codes"].numel())[0]
     return flat.clamp(min=torch.finfo(torch.float32).tiny).reshape(shape)
 
 
@@ -131,7 +131,7 @@ def format_qparams(
 
     >>> p = format_qparams(w, FORMATS["mxfp4"], 32)   # p.scale: powers of two, p.extra["e8m0"]: uint8
     """
-    amax = _grouped(x.detach().float(), group_size).abs().amax(-1)  # (..., n_groups)
+    amax = grouped(x.detach().float(), group_size).abs().amax(-1)  # (..., n_groups)
     if fmt.scale == "float":
         info = torch.finfo(scale_dtype)
         scale = (amax / fmt.element.max_value).clamp(info.tiny, info.max).to(scale_dtype)
@@ -174,21 +174,21 @@ def _units(xg: torch.Tensor, p, fmt: Format) -> torch.Tensor:
 
 def format_quantize(x: torch.Tensor, p, fmt: Format, group_size: int | None) -> torch.Tensor:
     """Floats (..., K) -> uint8 codes (..., K)."""
-    return _ungrouped(encode(_units(_grouped(x.float(), group_size), p, fmt), fmt.element), x.shape[-1])
+    return ungrouped(encode(_units(grouped(x.float(), group_size), p, fmt), fmt.element), x.shape[-1])
 
 
 def format_dequantize(codes: torch.Tensor, p, fmt: Format, group_size: int | None,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint8 codes (..., K) -> floats decode(code) * effective scale."""
-    values = _grouped(decode(codes, fmt.element), group_size) * effective_scale(p, fmt).unsqueeze(-1)
-    return _ungrouped(values, codes.shape[-1]).to(dtype)
+    values = grouped(decode(codes, fmt.element), group_size) * effective_scale(p, fmt).unsqueeze(-1)
+    return ungrouped(values, codes.shape[-1]).to(dtype)
 
 
 def format_fake_quantize(x: torch.Tensor, p, fmt: Format, group_size: int | None, ste: bool = True) -> torch.Tensor:
     """dequantize(quantize(x)) in fp32, returned in x's dtype; with ste the rounding passes gradients (STE)."""
-    xg = _grouped(x.float(), group_size)
+    xg = grouped(x.float(), group_size)
     q = round_to_element(_units(xg, p, fmt), fmt.element, ste) * effective_scale(p, fmt).unsqueeze(-1)
-    return _ungrouped(q, x.shape[-1]).to(x.dtype)
+    return ungrouped(q, x.shape[-1]).to(x.dtype)
 
 
 def scale_storage(p, fmt: Format, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:

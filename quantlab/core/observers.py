@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .checks import check_int
+from ..util.checks import check_int
 from .primitives import fake_quantize, qparams_from_range
 
 

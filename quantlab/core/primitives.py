@@ -50,7 +50,7 @@ def n_groups(k: int, group_size: int | None) -> int:
     return 1 if group_size is None else math.ceil(k / group_size)
 
 
-def _grouped(x: torch.Tensor, group_size: int | None) -> torch.Tensor:
+def grouped(x: torch.Tensor, group_size: int | None) -> torch.Tensor:
     """(..., K) -> (..., n_groups, g), the ragged tail padded with zeros.
 
     Zero padding never changes a group's |max| or its zero-including [min, max].
@@ -92,7 +92,7 @@ def qparams(
 
     >>> p = qparams(torch.randn(16, 64), bits=4, group_size=32)   # p.scale: (16, 2)
     """
-    xg = _grouped(x.detach(), group_size)
+    xg = grouped(x.detach(), group_size)
     return qparams_from_range(xg.amin(-1), xg.amax(-1), bits, symmetric, scale_dtype)
 
 
@@ -115,8 +115,8 @@ class _RoundSTE(torch.autograd.Function):
 round_ste = _RoundSTE.apply
 
 
-def _ungrouped(xg: torch.Tensor, k: int) -> torch.Tensor:
-    """(..., n_groups, g) -> (..., k): inverse of _grouped."""
+def ungrouped(xg: torch.Tensor, k: int) -> torch.Tensor:
+    """(..., n_groups, g) -> (..., k): inverse of grouped."""
     return xg.reshape(*xg.shape[:-2], -1)[..., :k]
 
 
@@ -128,25 +128,25 @@ def quantize(x: torch.Tensor, p: QParams, bits: int, group_size: int | None, ste
     """
     symmetric = p.zero is None
     qmin, qmax = code_range(bits, symmetric)
-    xg = _grouped(x, group_size)  # (..., n_groups, g)
+    xg = grouped(x, group_size)  # (..., n_groups, g)
     if p.float_zero:  # HQQ: the real-valued zero shifts before rounding
         q = (round_ste if ste else torch.round)(xg / p.scale.to(x.dtype).unsqueeze(-1) + p.zero.to(x.dtype).unsqueeze(-1))
-        return _ungrouped(torch.clamp(q, qmin, qmax), x.shape[-1])
+        return ungrouped(torch.clamp(q, qmin, qmax), x.shape[-1])
     q = (round_ste if ste else torch.round)(xg / p.scale.to(x.dtype).unsqueeze(-1))
     if not symmetric:
         q = q + p.zero.to(x.dtype).unsqueeze(-1)
-    return _ungrouped(torch.clamp(q, qmin, qmax), x.shape[-1])
+    return ungrouped(torch.clamp(q, qmin, qmax), x.shape[-1])
 
 
 def dequantize(q: torch.Tensor, p: QParams, group_size: int | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Integer codes (..., K) (any int or float dtype) -> floats (q - zero) * scale. Never mutates q."""
-    qg = _grouped(q, group_size)
+    qg = grouped(q, group_size)
     if p.zero is not None:
         out = qg.to(dtype) - p.zero.to(dtype).unsqueeze(-1)  # a new tensor, so mul_ below is safe
         out.mul_(p.scale.to(dtype).unsqueeze(-1))
     else:
         out = qg.to(dtype) * p.scale.to(dtype).unsqueeze(-1)
-    return _ungrouped(out, q.shape[-1])
+    return ungrouped(out, q.shape[-1])
 
 
 def fake_quantize(

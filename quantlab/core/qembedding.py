@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checks import check_dtype, check_int
+from ..util.checks import check_dtype, check_int
 from .primitives import dequantize, qparams, quantize, sqnr_db
 
 SCALE_DTYPES = ("float16", "bfloat16", "float32")

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..util.checks import check_dtype, check_int, resolve_dtype
 from . import formats, packing
-from .checks import check_dtype, check_int, resolve_dtype
 from .primitives import QParams, code_range, dequantize, fake_quantize, n_groups, qparams, quantize
 
 

@@ -11,6 +11,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from .qlinear import WeightSpec
+
 _METHODS: dict[str, "Method"] = {}
 
 
@@ -46,6 +48,50 @@ class Method:
     # bumped when what a config computes by default changes (e.g. AWQ made reference-exact), so result
     # rows of the old behaviour are not reused for the new one (it enters the run key when > 1)
     version: int = 1
+    baseline: bool = False  # the unquantized model every row is compared with (method "none")
+    quantizes_activations: bool = False  # fake-quantizes linear inputs (dynamic / static / smoothquant)
+
+    # ---- capabilities: what code outside the registry asks instead of a method's name -------------------
+
+    def folds_channel_scales(self, config: Any) -> bool:
+        """Whether it folds per-input-channel scales into the weights (AWQ, SmoothQuant): an online rotation of
+        every linear's input would rotate channels the scales were fitted to."""
+        return False
+
+    def folds_scales_across_mlp(self, config: Any) -> bool:
+        """Whether some of those scales sit between up_proj and down_proj (AWQ; SmoothQuant with
+        smooth_linear_inputs): an online Hadamard on down_proj's input (rotation R4) would not let them cancel."""
+        return False
+
+    def keeps_float_adapters(self, config: Any) -> bool:
+        """Whether the converted model keeps float modules beside its quantized linears (LoRA adapters, unmerged):
+        an export of quantized linears alone would drop them."""
+        return False
+
+    def weight_spec_for(self, config: Any) -> WeightSpec | None:
+        """The grid its weights end on: the config's own weight_spec, else its base's (None: weights stay float)."""
+        spec = getattr(config, "weight_spec", None)
+        if isinstance(spec, WeightSpec):
+            return spec
+        base = getattr(config, "base", None)
+        return get_method(base).weight_spec_for(base) if base is not None else None
+
+    def act_bits_for(self, config: Any) -> int | None:
+        """Bits of its activation codes (the config's act_bits, else its base's), None where activations stay
+        float."""
+        if self.quantizes_activations and isinstance(getattr(config, "act_bits", None), int):
+            return config.act_bits
+        base = getattr(config, "base", None)
+        return get_method(base).act_bits_for(base) if base is not None else None
+
+    def describe(self, config: Any, dtype: str = "float32") -> str:
+        """What it quantizes, for the report's scheme column: "w4 g64 asym", "w8 channel sym + a8 dynamic", ...
+        Methods built on a base add their part to the base's text (QAT: " + QAT LSQ")."""
+        own = getattr(config, "weight_spec", None)
+        if isinstance(own, WeightSpec):
+            return describe_weights(own, len(getattr(config, "overrides", ()) or ()))
+        base = getattr(config, "base", None)
+        return get_method(base).describe(base, dtype) if base is not None else dtype
 
     def needs_calibration_for(self, config: Any) -> bool:
         """Whether this config needs calibration data (methods built on a base defer to it)."""
@@ -200,10 +246,56 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     return d
 
 
+def describe_weights(spec: WeightSpec, n_overrides: int = 0) -> str:
+    """A weight grid in the scheme column's words: "w4 g64 asym", "w8 channel sym", "nf4+dq g64"."""
+    g = "channel" if spec.group_size is None else f"g{spec.group_size}"
+    text = f"w{spec.bits} {g} {'sym' if spec.symmetric else 'asym'}"
+    if spec.format != "int":  # a number format (core/formats.py) names itself
+        text = f"{spec.format}{'+dq' if spec.double_quant else ''} {g}"
+    if n_overrides:  # per-layer grids (core/overrides.py): the base grid is not the whole story
+        text += f" + {n_overrides} overrides"
+    return text
+
+
+GRID_FIELDS = ("bits", "group_size", "symmetric", "format", "act_bits")  # result-row columns, from grid_fields()
+DTYPE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16}
+
+
+def grid_fields(config: Any, dtype: str = "float32") -> dict:
+    """The grid a run's weights (and activations) end on, as result-row columns: bits, group_size (None: per
+    output channel), symmetric, format, act_bits (None: float activations). From the effective weight grid, a
+    `base` included, so an AWQ or W8A8 row says its bits too; weights left float say the dtype's bits and name.
+
+    >>> grid_fields(make_config({"method": "awq", "base": {"method": "rtn", "bits": 4, "group_size": 64}}))
+    {'bits': 4, 'group_size': 64, 'symmetric': True, 'format': 'int', 'act_bits': None}
+    """
+    method = get_method(config)
+    spec = method.weight_spec_for(config)
+    if spec is None:
+        weights = {"bits": DTYPE_BITS.get(dtype), "group_size": None, "symmetric": None, "format": dtype}
+    else:
+        weights = {"bits": spec.bits, "group_size": spec.group_size, "symmetric": spec.symmetric,
+                   "format": spec.format}
+    return weights | {"act_bits": method.act_bits_for(config)}
+
+
+def is_baseline(name: str) -> bool:
+    """Whether the method called `name` (e.g. a result row's `method`) is the unquantized baseline; unknown names
+    (rows of a method no longer registered) are not."""
+    return name in _METHODS and _METHODS[name].baseline
+
+
+def nested_configs(config: Any):
+    """A method config and every config nested in it (`base`), outermost first."""
+    while config is not None:
+        yield config
+        config = getattr(config, "base", None)
+
+
 # ---- helpers for methods built on other methods -------------------------------------------
 
 def quantizes_activations(method: Method) -> bool:
-    return getattr(method, "quantizes_activations", False)
+    return method.quantizes_activations
 
 
 def needs_calibration(config: Any) -> bool:
@@ -227,7 +319,7 @@ def as_weight_base(value: Any, owner: str) -> Any:
             f"inside instead: method = \"{method.name}\" with base = {{method = \"{owner}\", "
             f"base = {{method = \"gptq\", bits = 4, ...}}}} (W4A8) and the {method.name} fields (steps, lr, ...) beside it"
         )
-    if method.name == "none" or quantizes_activations(method):
+    if method.baseline or quantizes_activations(method):
         raise ValueError(f"{owner}: base must be a weight quantization method ({', '.join(_weight_bases())}), "
                          f"got {method.name!r}")
     return config
@@ -238,7 +330,7 @@ def _weight_bases() -> list[str]:
     out = []
     for name in known_methods():
         method = get_method(name)
-        if name == "none" or quantizes_activations(method):
+        if method.baseline or quantizes_activations(method):
             continue
         try:
             trains = method.needs_training_for(method.config_cls())

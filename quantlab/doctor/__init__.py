@@ -14,11 +14,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..util.device import matmul_ms
 from .checks import STATUSES, Check, exit_code, format_checks
-from .environment import device_rows, half_precision_rows, kernel_rows, matmul_ms, ort_kernel_rows
-from .model import (OUTLIER_RATIO_WARN, PROBE_TEXT, ForwardStats, dtype_check, finite_activations_check,
-                    finite_weights_check, forward_stats, free_memory_bytes, memory_check, outlier_check,
-                    placement_check, positions_check, probe_ids, tensor_bytes)
+from .environment import device_rows, half_precision_rows, kernel_rows, ort_kernel_rows
+from .model import (
+    OUTLIER_RATIO_WARN,
+    PROBE_TEXT,
+    ForwardStats,
+    dtype_check,
+    finite_activations_check,
+    finite_weights_check,
+    forward_stats,
+    free_memory_bytes,
+    memory_check,
+    outlier_check,
+    placement_check,
+    positions_check,
+    probe_ids,
+    tensor_bytes,
+)
 
 
 def diagnose(model: nn.Module | None, tokenizer=None, device: torch.device | None = None,

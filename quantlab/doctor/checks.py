@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from ..core.checks import check_choice
+from ..util.checks import check_choice
 
 STATUSES = ("ok", "warn", "error")
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import statistics
-import time
 
 import torch
 from torch import nn
 
+from ..util import device as device_util
 from .checks import Check
 
 
@@ -32,46 +31,15 @@ def device_rows(device: torch.device) -> list[Check]:
                                "available" if mps_ok else "not available", "Apple silicon only; use --device cpu")]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def matmul_ms(dtype: torch.dtype, device: torch.device, size: int = 512, budget_s: float = 0.3) -> float:
-    """Median time of one (size x size) @ (size x size) matmul in `dtype`, repeated for ~budget_s (3..50 times).
-
-    On CPU with one thread (restored after): the dtype ratio is what the check needs, and a thread pool on a
-    busy machine times the scheduler instead (seen here: 8 / 16 / 32 ms steps for any size and dtype)."""
-    gen = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(size, size, generator=gen).to(device, dtype) for _ in range(2))
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    try:
-        a @ b  # warm-up (kernel selection, first-touch)
-        _sync(device)
-        times, start = [], time.perf_counter()
-        while len(times) < 3 or (time.perf_counter() - start < budget_s and len(times) < 50):
-            t0 = time.perf_counter()
-            a @ b
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(threads)
-    return 1e3 * statistics.median(times)
-
-
 def half_precision_rows(device: torch.device, size: int = 512, budget_s: float = 0.3) -> list[Check]:
     """bf16 / fp16 matmul on `device`: supported? its speed vs fp32 (warn where slower: AVX2 CPUs without
     bf16 units convert and compute in fp32). Three timings of ~budget_s each."""
-    fp32 = matmul_ms(torch.float32, device, size, budget_s)
+    fp32 = device_util.matmul_ms(torch.float32, device, size, budget_s)
     rows = []
     for dtype in (torch.bfloat16, torch.float16):
         name = str(dtype).removeprefix("torch.")
         try:
-            ms = matmul_ms(dtype, device, size, budget_s)
+            ms = device_util.matmul_ms(dtype, device, size, budget_s)
         except (RuntimeError, TypeError) as e:
             rows.append(Check(f"{name} matmul", "warn", f"not supported on {device.type}: {str(e)[:80]}",
                               "keep dtype float32 on this device"))

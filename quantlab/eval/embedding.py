@@ -15,7 +15,6 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..core.lifecycle import cached_weights
-
 from ..core.qlinear import QuantLinear
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ..core.checks import check_choice, check_dtype, check_int, dtype_bytes
+from ..util.checks import check_choice, check_dtype, check_int, dtype_bytes
 
 MIB, GIB = 2**20, 2**30
 OVERHEAD_MIB = {"cpu": 450.0, "cuda": 500.0}

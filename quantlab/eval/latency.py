@@ -6,8 +6,13 @@ On CUDA (and MPS) the clock is read only after the device is synchronized. Passe
 logits only where the model supports it (logits_to_keep=1, as generate() does), so a
 (B, 512) prompt does not materialize B x 512 x vocab logits.
 
-With kv=KVCacheConfig(...) (quantlab.kvcache) the model runs under apply_kv_quant and decodes on a
-QuantizedKVCache (bits 16: a float DynamicCache), and the row adds the cache's bytes after the last pass.
+KV-cache quantization (quantlab.kvcache): with kv=KVCacheConfig(...), or on a model that already runs under
+apply_kv_quant (the runner applies a run's kv_cache for its whole evaluation), each pass prefills into a fresh
+QuantizedKVCache (bits 16: a float DynamicCache) and the row adds
+    kv_cache_mib        bytes the last pass's cache holds after its last decode step (codes + scales + zeros)
+    kv_cache_float_mib  what a float DynamicCache in the model's dtype holds for the same tokens
+    kv_config           kv_describe(kv), e.g. "kv4 g64 asym"
+A config applied here is removed again on return; one applied by the caller stays applied (its owner removes it).
 """
 from __future__ import annotations
 
@@ -17,12 +22,18 @@ import time
 
 import torch
 
+from ..kvcache import (
+    KVCacheConfig,
+    QuantizedKVCache,
+    applied_kv_config,
+    kv_cache_float_nbytes,
+    kv_cache_nbytes,
+    kv_describe,
+    kv_quant,
+)
+from ..util.device import synchronize
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":  # Metal queues kernels asynchronously too
-        torch.mps.synchronize()
+MIB = 2**20
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -48,11 +59,11 @@ def _one_pass(model, prompt: torch.Tensor, new_tokens: int, device, call=None,
     make_cache: None (the model's default cache) or a function returning the cache object the prefill fills."""
     call = model if call is None else call  # not `or`: a compiled module has no truth value (len)
     given = {} if make_cache is None or not new_tokens else {_cache_kwarg(model): make_cache()}
-    _sync(device)
+    synchronize(device)
     t0 = time.perf_counter()
     # 0 new tokens: encoders, prefill only
     out = call(prompt, use_cache=True, **_prefill_kwargs(model), **given) if new_tokens else call(prompt)
-    _sync(device)
+    synchronize(device)
     prefill_ms = (time.perf_counter() - t0) * 1e3
     if not new_tokens:
         return prefill_ms, []
@@ -62,7 +73,7 @@ def _one_pass(model, prompt: torch.Tensor, new_tokens: int, device, call=None,
         t0 = time.perf_counter()
         out = call(nxt, use_cache=True, **{cache_arg: cache})
         nxt = out.logits[:, -1:].argmax(-1)
-        _sync(device)
+        synchronize(device)
         step_ms.append((time.perf_counter() - t0) * 1e3)
         cache = getattr(out, cache_arg)
     return prefill_ms, step_ms
@@ -77,8 +88,9 @@ def measure_latency(
     Runs `warmup` untimed passes, then timed passes until at least `repeats` passes and
     `min_time_s` seconds (at most max_repeats passes). Each pass prefills the prompt and decodes
     exactly `new_tokens` greedy tokens per sequence. compile=True wraps the model in torch.compile.
-    kv: a quantlab.kvcache.KVCacheConfig (None: as before): decode on its quantized cache and add kv_cache_mib
-    (bytes the last pass's cache holds) and kv_cache_float_mib (a float DynamicCache for the same tokens).
+    kv: a quantlab.kvcache.KVCacheConfig: decode on its quantized cache and add kv_cache_mib (bytes the last
+    pass's cache holds) and kv_cache_float_mib (a float DynamicCache for the same tokens). None: the config the
+    model already runs under (apply_kv_quant), if any, else plain decoding.
 
     >>> measure_latency(model, ids[:128].unsqueeze(0), new_tokens=16)["decode_ms_per_token_p50"]
     """
@@ -91,10 +103,9 @@ def measure_latency(
     device = next(model.parameters()).device
     prompt = prompt.to(device)
     model.eval()
+    kv = applied_kv_config(model) if kv is None else kv
     if kv is not None:
-        from ..kvcache.latency import kv_latency
-
-        return kv_latency(model, prompt, kv, new_tokens, warmup, repeats, min_time_s, compile, max_repeats, device)
+        return _kv_measure(model, prompt, kv, new_tokens, warmup, repeats, min_time_s, compile, max_repeats, device)
     return _measure(model, prompt, new_tokens, warmup, repeats, min_time_s, compile, max_repeats, device)
 
 
@@ -130,3 +141,27 @@ def _measure(model, prompt, new_tokens, warmup, repeats, min_time_s, compile, ma
         "decode_ms_per_token_p90": _percentile(steps, 0.9),
         "decode_tokens_per_s": 1e3 * prompt.shape[0] / decode_p50,
     }
+
+
+def _kv_measure(model, prompt, kv: KVCacheConfig, new_tokens, warmup, repeats, min_time_s, compile, max_repeats,
+                device) -> dict:
+    """_measure on a fresh QuantizedKVCache per pass, under kv_quant(model, kv), + the last cache's bytes."""
+    if not isinstance(kv, KVCacheConfig):
+        raise TypeError(f"kv must be a quantlab.kvcache.KVCacheConfig or None, got {type(kv).__name__}")
+    made = []
+
+    def make_cache():
+        from transformers import DynamicCache
+
+        made.clear()  # keep only the newest: the bytes reported are the last pass's
+        made.append(QuantizedKVCache(kv, model.config) if kv.enabled else DynamicCache(config=model.config))
+        return made[0]
+
+    with kv_quant(model, kv):  # a no-op where the caller applied this config already
+        out = _measure(model, prompt, new_tokens, warmup, repeats, min_time_s, compile, max_repeats, device,
+                       make_cache)
+    out["kv_config"] = kv_describe(kv)
+    if made:
+        out |= {"kv_cache_mib": kv_cache_nbytes(made[0]) / MIB, "kv_cache_float_mib": kv_cache_float_nbytes(made[0]) / MIB}
+    made.clear()
+    return out

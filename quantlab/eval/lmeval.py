@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from ..core.lifecycle import cached_weights
-from ..models.data import _WIKITEXT_FILES, candidate_data_dirs, find_wikitext2_dir
+from ..models.data import WIKITEXT_FILES, candidate_data_dirs, find_wikitext2_dir
 from .gemm import onednn_linear, resolve_gemm
 
 TASKS_DIR = Path(__file__).with_name("lmeval_tasks")
@@ -82,9 +82,9 @@ def read_wikitext_test_rows(data_dir: str | Path | None = None) -> tuple[list[st
         raise FileNotFoundError(
             f"lm-eval task wikitext_local reads the local WikiText-2 test rows and found none (looked in "
             f"{', '.join(str(p) for p in candidate_data_dirs())}); pass --data-dir or set QUANTLAB_DATA_DIR to a "
-            f"directory with {_WIKITEXT_FILES['test']} (with the hub reachable, lm-eval's own `wikitext` task needs no "
+            f"directory with {WIKITEXT_FILES['test']} (with the hub reachable, lm-eval's own `wikitext` task needs no "
             f"local files)")
-    path = local / _WIKITEXT_FILES["test"]
+    path = local / WIKITEXT_FILES["test"]
     with path.open(encoding="utf-8") as f:
         return [json.loads(line)["text"] for line in f], path
 

@@ -84,8 +84,8 @@ def _load(spec: dict):
     from transformers import AutoModelForCausalLM
 
     from ..backends.serialize import load_quantized
-    from ..core.checks import resolve_dtype
     from ..models.loading import resolve_model_path
+    from ..util.checks import resolve_dtype
 
     device = spec.get("device", "cpu")
     if spec.get("onnx_dir"):  # an ONNX Runtime session of an exported model (backends/ort.py)

@@ -180,8 +180,14 @@ class KVQuantHandle:
 
 @contextmanager
 def kv_quant(model: nn.Module, config: KVCacheConfig | None):
-    """Apply KV quantization for the duration of the block (None: nothing); restores the model on exit."""
+    """Apply KV quantization for the duration of the block (None: nothing); on exit the model is as it was before
+    the block: a config the caller had applied (its owner removes it) is back in place, even where the block
+    applied another one. The block applying the config the model already runs under changes nothing."""
     if config is None:
+        yield model
+        return
+    before = applied_kv_config(model)
+    if before == config:  # the owner applied it: neither reapply nor remove
         yield model
         return
     apply_kv_quant(model, config)
@@ -189,6 +195,8 @@ def kv_quant(model: nn.Module, config: KVCacheConfig | None):
         yield model
     finally:
         remove_kv_quant(model)
+        if before is not None:
+            apply_kv_quant(model, before)
 
 
 def mark_quantized(key: torch.Tensor, value: torch.Tensor, config: KVCacheConfig) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from ..core.checks import check_choice, check_dtype, check_int
+from ..util.checks import check_choice, check_dtype, check_int
 
 OFF_BITS = 16
 INT_BITS = (4, 8)  # inclusive range of integer bit widths

@@ -20,11 +20,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.checks import resolve_dtype
 from ..core.elements import TORCH_FP8
 from ..core.formats import FORMATS, format_qparams, format_quantize
 from ..core.packing import pack, unpack
-from ..core.primitives import QParams, _grouped, _ungrouped, dequantize, n_groups, qparams, quantize
+from ..core.primitives import QParams, dequantize, grouped, n_groups, qparams, quantize, ungrouped
+from ..util.checks import resolve_dtype
 from .config import KVCacheConfig
 
 
@@ -99,8 +99,8 @@ def kv_dequantize(kv: KVCodes, config: KVCacheConfig, head_dim: int, dtype: torc
         return dequantize(codes, QParams(kv.scale, kv.zero), config.group_size, torch.float32).to(dtype)
     # the fp8 code's exact value (torch's cast; elements.decode's table gives the same numbers, more slowly)
     values = codes.view(TORCH_FP8[FORMATS[config.format].element.name]).to(torch.float32)
-    out = _grouped(values, config.group_size) * kv.scale.to(torch.float32).unsqueeze(-1)
-    return _ungrouped(out, head_dim).to(dtype)
+    out = grouped(values, config.group_size) * kv.scale.to(torch.float32).unsqueeze(-1)
+    return ungrouped(out, head_dim).to(dtype)
 
 
 def kv_fake_quantize(x: torch.Tensor, config: KVCacheConfig) -> torch.Tensor:

@@ -39,14 +39,21 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..core.checks import check_choice, check_int
+from ..calibration import blocks
+from ..calibration.blocks import (
+    NEXT_INPUTS,
+    block_output,
+    capture_block_calls,
+    float_weights,
+    prepared_linears,
+    run_block,
+)
 from ..core.lifecycle import freeze_all, swap_in_quant_linears
-from ..core.primitives import QParams, _grouped, _ungrouped, code_range, n_groups, round_ste
+from ..core.primitives import QParams, code_range, grouped, n_groups, round_ste, ungrouped
 from ..core.qlinear import QuantLinear, WeightSpec
 from ..core.registry import LayerSelection, Method, register_method
 from ..models.arch import find_blocks
-from . import blocks
-from .blocks import NEXT_INPUTS, block_output, capture_block_calls, float_weights, prepared_linears, run_block
+from ..util.checks import check_choice, check_int
 
 FACTOR_RANGE = (0.5, 1.0)  # min/max clip factors
 OFFSET_RANGE = (-0.5, 0.5)  # rounding offsets V
@@ -123,8 +130,8 @@ def autoround_qdq(w: torch.Tensor, v: torch.Tensor, min_factor: torch.Tensor, ma
     >>> w_hat, p = autoround_qdq(w, torch.zeros_like(w), torch.ones(32, 2), torch.ones(32, 2), WeightSpec(4, 48, False))
     """
     qmin, qmax = code_range(spec.bits, spec.symmetric)
-    wg = _grouped(w, spec.group_size)  # (out, n_groups, g), the ragged tail zero-padded
-    vg = _grouped(v, spec.group_size)
+    wg = grouped(w, spec.group_size)  # (out, n_groups, g), the ragged tail zero-padded
+    vg = grouped(v, spec.group_size)
     lo = torch.clamp(wg.amin(-1), max=0.0) * min_factor  # (out, n_groups)
     hi = torch.clamp(wg.amax(-1), min=0.0) * max_factor
     info = torch.finfo(spec.torch_scale_dtype)
@@ -141,7 +148,7 @@ def autoround_qdq(w: torch.Tensor, v: torch.Tensor, min_factor: torch.Tensor, ma
     q = torch.clamp(q, qmin, qmax)
     out = (q - zero.to(w.dtype).unsqueeze(-1)) * s if zero is not None else q * s
     p = QParams(scale.detach(), None if zero is None else zero.detach().to(torch.int32))
-    return _ungrouped(out, w.shape[-1]), p
+    return ungrouped(out, w.shape[-1]), p
 
 
 class BlockResult(NamedTuple):
@@ -216,7 +223,7 @@ def _loss(block: nn.Module, inputs: list, targets: list, kwargs: list[dict], idx
     chunks = [idx] if stack else [[i] for i in idx]
     total = 0.0
     for chunk in chunks:
-        x, kw = torch.cat([inputs[i] for i in chunk]), blocks._merge([kwargs[i] for i in chunk])
+        x, kw = torch.cat([inputs[i] for i in chunk]), blocks.merge_calls([kwargs[i] for i in chunk])
         target = torch.cat([targets[i] for i in chunk])
         with torch.set_grad_enabled(backward):
             loss = (block_output(block(x, **kw)).float() - target.float()).pow(2).sum() / count
@@ -243,7 +250,7 @@ def autoround_block(block: nn.Module, inputs: list, targets: list, kwargs: list[
     rtn_loss = best_loss = None
     best_iter, fell_back, n = 0, False, len(inputs)
     batch = min(config.batch_size, n)
-    stack = all(blocks._same_structure((inputs[0], kwargs[0]), (inputs[i], kwargs[i])) for i in range(n))
+    stack = all(blocks.same_structure((inputs[0], kwargs[0]), (inputs[i], kwargs[i])) for i in range(n))
     with tuned.forwards(block):
         for i in range(config.iters):
             idx = sorted(torch.randperm(n, generator=generator)[:batch].tolist())

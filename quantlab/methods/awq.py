@@ -44,19 +44,26 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..core.checks import check_choice, check_int
+from ..calibration import awq_search as search
+
+# version 1's public numerics stay importable from here
+from ..calibration.awq_search import (  # noqa: F401
+    awq_scale,
+    fake_quant_weight,
+    output_sq_error,
+    scaled_error,
+    search_clip,
+    search_scale,
+)
+from ..calibration.blocks import ModuleCalls, float_weights, for_each_block, prepared_linears, run_block
+from ..calibration.smoothing import apply_scale, group_applies
 from ..core.lifecycle import freeze_all, swap_in_quant_linears
 from ..core.observers import HessianObserver, MeanAbsObserver
 from ..core.qlinear import QuantLinear
 from ..core.registry import Method, as_config, get_method, register_method
 from ..models.arch import ScaleGroup, arch_for
-from . import awq_search as search
-
-# version 1's public numerics stay importable from here
-from .awq_search import awq_scale, fake_quant_weight, output_sq_error, scaled_error, search_clip, search_scale  # noqa: F401
-from .blocks import ModuleCalls, float_weights, for_each_block, prepared_linears, run_block
+from ..util.checks import check_choice, check_int
 from .rtn import RTNConfig
-from .smoothing import apply_scale, group_applies
 
 SCALE_LOSSES = ("module", "linear")
 CLIPS = ("symmetric", "minmax")
@@ -265,6 +272,12 @@ class AWQ(Method):
     config_cls = AWQConfig
     needs_calibration = True
     version = 2  # 2: reference-exact defaults (module loss, symmetric clip without q/k, float block inputs)
+
+    def folds_channel_scales(self, config: AWQConfig) -> bool:
+        return True
+
+    def folds_scales_across_mlp(self, config: AWQConfig) -> bool:
+        return True  # its up_proj -> down_proj group
 
     def prepare(self, model, config: AWQConfig) -> None:
         arch_for(model, "awq")  # an unknown model_type fails before the model is touched

@@ -49,6 +49,10 @@ class Dynamic(Method):
     def needs_calibration_for(self, config: DynamicConfig) -> bool:
         return needs_calibration(config.base)
 
+    def describe(self, config: DynamicConfig, dtype: str = "float32") -> str:
+        act = f"a{config.act_bits}" if config.act_format == "int" else f"a-{config.act_format}"
+        return f"{get_method(config.base).describe(config.base, dtype)} + {act} dynamic"
+
     def prepare(self, model, config: DynamicConfig) -> None:
         get_method(config.base).prepare(model, config.base)
 

@@ -15,16 +15,16 @@ from typing import NamedTuple
 
 import torch
 
+from ..calibration import blocks
+from ..calibration.blocks import for_each_block
 from ..core import formats
-from ..core.checks import check_int
 from ..core.lifecycle import freeze_all, swap_in_quant_linears
 from ..core.observers import HessianObserver, attach_input_observers
 from ..core.primitives import QParams, code_range
 from ..core.qlinear import QuantLinear, WeightSpec
 from ..core.registry import Method, register_method
 from ..models.arch import ARCH
-from . import blocks
-from .blocks import for_each_block
+from ..util.checks import check_int
 from .rtn import RTNConfig
 
 log = logging.getLogger(__name__)

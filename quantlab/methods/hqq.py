@@ -32,11 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.checks import check_int
 from ..core.lifecycle import freeze_all, swap_in_quant_linears
 from ..core.primitives import QParams
 from ..core.qlinear import WeightSpec
 from ..core.registry import Method, register_method
+from ..util.checks import check_int
 from .rtn import RTNConfig
 
 MAX_INV_SCALE = 2e4  # the reference's bound on 1/s (its half-precision guard); s >= 5e-5

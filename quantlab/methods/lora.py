@@ -42,12 +42,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.checks import check_int
 from ..core.lifecycle import quant_linears, set_submodule
 from ..core.qlinear import QuantLinear
 from ..core.registry import Method, as_config, config_to_dict, get_method, needs_calibration, register_method
 from ..qat.settings import TrainSettings
 from ..qat.train import train
+from ..util.checks import check_int
 from .rtn import RTNConfig
 
 # methods whose prepare() leaves QuantLinear layers (the frozen base the adapters sit beside)
@@ -151,7 +151,7 @@ def seeded(seed: int, device: torch.device):
 
 
 def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
-    from .lora_layer import QuantLoraLinear
+    from ..qat.lora_layer import QuantLoraLinear
 
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantLoraLinear)}
 
@@ -173,7 +173,7 @@ def attach_adapters(model: nn.Module, config: LoRAConfig) -> list[str]:
         return list(existing)
     from peft import LoraConfig, inject_adapter_in_model
 
-    from .lora_layer import QuantLoraLinear
+    from ..qat.lora_layer import QuantLoraLinear
 
     get_method(config.base).convert(model, config.base)
     targets = resolve_targets(model, config.target_modules)
@@ -211,6 +211,13 @@ class LoRA(Method):
 
     def needs_training_for(self, config: LoRAConfig) -> bool:
         return config.steps > 0
+
+    def keeps_float_adapters(self, config: LoRAConfig) -> bool:
+        return not config.merge  # merge = true folds them into re-quantized codes
+
+    def describe(self, config: LoRAConfig, dtype: str = "float32") -> str:
+        base = get_method(config.base).describe(config.base, dtype)  # adapters beside the codes, or merged in
+        return f"{base} + LoRA r{config.r}{' merged' if config.merge else ''}"
 
     def needs_teacher_for(self, config: LoRAConfig) -> bool:
         return config.steps > 0 and config.settings.needs_teacher

@@ -13,3 +13,4 @@ class NoneConfig:
 class NoMethod(Method):
     name = "none"
     config_cls = NoneConfig
+    baseline = True

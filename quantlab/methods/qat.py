@@ -141,6 +141,10 @@ class QAT(Method):
     def needs_teacher_for(self, config: QATConfig) -> bool:
         return config.settings.needs_teacher
 
+    def describe(self, config: QATConfig, dtype: str = "float32") -> str:
+        base = get_method(config.base).describe(config.base, dtype)
+        return f"{base} + QAT {'LSQ' if config.learn_scales else 'STE'}"
+
     def prepare(self, model, config: QATConfig) -> None:
         get_method(config.base).prepare(model, config.base)
         layers = quant_linears(model)

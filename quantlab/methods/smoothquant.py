@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from ..calibration.smoothing import apply_scale, group_applies, group_modules
 from ..core.activations import DynamicActQuant, StaticActQuant
 from ..core.lifecycle import linearize_conv1d, quant_linears, run_calibration
 from ..core.observers import SmoothStats, attach_input_observers
@@ -56,7 +57,6 @@ from ..core.registry import (
 )
 from ..models.arch import ScaleGroup, arch_for, find_blocks
 from .dynamic import DynamicConfig
-from .smoothing import apply_scale, group_applies, group_modules
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +272,12 @@ class SmoothQuant(Method):
     needs_calibration = True
     quantizes_activations = True
     version = 2  # default smooths only norm -> linear groups (the paper); v1 also smoothed linear -> linear
+
+    def folds_channel_scales(self, config: SmoothQuantConfig) -> bool:
+        return True
+
+    def folds_scales_across_mlp(self, config: SmoothQuantConfig) -> bool:
+        return config.smooth_linear_inputs  # up_proj -> down_proj is one of the linear -> linear pairs
 
     def prepare(self, model, config: SmoothQuantConfig) -> None:
         smoothing_groups(model)  # fail before any data is read for unsupported architectures

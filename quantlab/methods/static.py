@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from ..core.activations import STATIC_FORMATS, StaticActQuant, check_act_bits, check_act_format
-from ..core.checks import check_choice
 from ..core.lifecycle import quant_linears, run_calibration
 from ..core.observers import Observer, attach_input_observers, make_observer
 from ..core.registry import Method, as_weight_base, get_method, needs_calibration, register_method
+from ..util.checks import check_choice
 from .rtn import RTNConfig
 
 ACT_OBSERVERS = ("minmax", "moving_average", "percentile", "mse")
@@ -135,6 +135,11 @@ class Static(Method):
     config_cls = StaticConfig
     needs_calibration = True
     quantizes_activations = True
+
+    def describe(self, config: StaticConfig, dtype: str = "float32") -> str:
+        act = f"a{config.act_bits}" if config.act_format == "int" else f"a-{config.act_format}"
+        kind = f"static {config.act_granularity} {config.observer}"
+        return f"{get_method(config.base).describe(config.base, dtype)} + {act} {kind}"
 
     def prepare(self, model, config: StaticConfig) -> None:
         get_method(config.base).prepare(model, config.base)

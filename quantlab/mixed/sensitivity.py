@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..core.checks import check_choice
 from ..core.lifecycle import select_linears, set_submodule
 from ..core.qlinear import QuantLinear
 from ..core.registry import config_to_dict, get_method
@@ -37,7 +36,8 @@ from ..eval.perplexity import window_log_probs
 from ..methods.rtn import RTNConfig
 from ..models.arch import find_blocks
 from ..reporting.report import scheme
-from ..runs.results import append_row, read_rows
+from ..reporting.results import append_row, read_rows
+from ..util.checks import check_choice
 
 GRANULARITIES = ("layer", "type", "block")
 

@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.checks import check_choice, read_utf8
+from ..util.checks import check_choice, read_utf8
 
 DATASETS = ("pystdlib", "wikitext2")
 SPLITS = ("test", "validation")
 JOIN = "\n\n"
-_WIKITEXT_FILES = {"test": "wiki.test.rows.jsonl", "validation": "wiki.valid.tokens"}
+WIKITEXT_FILES = {"test": "wiki.test.rows.jsonl", "validation": "wiki.valid.tokens"}
 
 
 def candidate_data_dirs() -> list[Path]:
@@ -40,11 +40,11 @@ def find_wikitext2_dir(data_dir: str | Path | None = None) -> Path | None:
         path = Path(data_dir)
         if not path.is_dir():
             raise FileNotFoundError(f"data directory {str(path)!r} does not exist")
-        missing = [f for f in _WIKITEXT_FILES.values() if not (path / f).exists()]
+        missing = [f for f in WIKITEXT_FILES.values() if not (path / f).exists()]
         if missing:
             raise FileNotFoundError(f"data directory {str(path)!r} lacks {', '.join(missing)}")
         return path
-    return next((p for p in candidate_data_dirs() if (p / _WIKITEXT_FILES["test"]).exists()), None)
+    return next((p for p in candidate_data_dirs() if (p / WIKITEXT_FILES["test"]).exists()), None)
 
 
 def _hub_text(split: str) -> str:
@@ -76,7 +76,7 @@ def load_text(dataset: str, split: str, data_dir: str | Path | None = None) -> t
     local = find_wikitext2_dir(data_dir)
     if local is None:
         return _hub_text(split), f"hub:wikitext-2-raw-v1/{split}"
-    path = local / _WIKITEXT_FILES[split]
+    path = local / WIKITEXT_FILES[split]
     if split == "test":
         try:
             with path.open(encoding="utf-8") as f:

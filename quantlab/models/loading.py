@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..core.checks import resolve_dtype
+from ..util.checks import resolve_dtype
 
 log = logging.getLogger(__name__)
 

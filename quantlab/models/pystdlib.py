@@ -25,7 +25,7 @@ import sysconfig
 from functools import lru_cache
 from pathlib import Path
 
-from ..core.checks import check_choice, read_utf8
+from ..util.checks import check_choice, read_utf8
 
 EXCLUDED_DIRS = frozenset({
     "site-packages", "dist-packages", "__pycache__",  # installed packages, bytecode

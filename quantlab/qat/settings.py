@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ..core.checks import check_dtype, check_int
+from ..util.checks import check_dtype, check_int
 
 
 def _check_float(name: str, value, lo: float, strict: bool = True) -> None:

@@ -108,7 +108,7 @@ def _warn_if_bf16_is_slow(device: torch.device, dtype: str) -> float | None:
     emulated AVX2 CPU). Returns the ratio, or None where nothing was probed."""
     if device.type != "cpu" or dtype != "bfloat16":
         return None
-    from ..doctor.environment import matmul_ms
+    from ..util.device import matmul_ms
 
     ratio = matmul_ms(torch.bfloat16, device, budget_s=0.1) / matmul_ms(torch.float32, device, budget_s=0.1)
     if ratio >= SLOW_BF16_RATIO:

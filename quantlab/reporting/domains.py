@@ -15,6 +15,7 @@ import json
 
 import pandas as pd
 
+from ..core.registry import is_baseline
 from . import stats
 
 
@@ -41,7 +42,7 @@ def add_domain_columns(df: pd.DataFrame) -> pd.DataFrame:
     if not labels:
         return df
     df = df.copy()
-    base_rows = df[df["method"] == "none"]
+    base_rows = df[df["method"].map(is_baseline)]
     base = base_rows.iloc[0] if not base_rows.empty else None
     for d in labels:
         cols = {c: [float("nan")] * len(df) for c in ("ci_low", "ci_high", "delta_pct", "delta_ci_low",

@@ -39,7 +39,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..core.checks import check_name
+from ..util.checks import check_name
 from . import stats
 
 _TOKEN = re.compile(r"\{\{|\}\}|\{([^{}\n]*)\}|[{}]")

@@ -24,7 +24,7 @@ METRICS = ("ppl", "cos_mean")  # a row needs one of them
 
 
 def _read(path: Path) -> list[dict]:
-    from ..runs.results import read_rows  # a line cut short by a crash is skipped
+    from .results import read_rows  # a line cut short by a crash is skipped
 
     rows = read_rows(path)
     if not rows:

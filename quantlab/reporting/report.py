@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import domains
+from ..core.extras import describe_extras, known_extras
+from ..core.registry import GRID_FIELDS, get_method, grid_fields, is_baseline, make_config
+from . import domains, stats
 from . import findings as findings_mod
 from . import lmeval as lmeval_section
-from . import stats
 from .sections import LATENCY_REF, backend_text, environment_text, intervals_text, protocol_text
 
 # (column, header, format) shown in the Markdown table; the CSV keeps every column.
@@ -60,41 +61,42 @@ PLOTS = [("ppl_vs_weight_bytes", "weight_bytes", "perplexity vs weight size"),
          ("ppl_vs_decode_latency", "decode_ms_per_token_p50", "perplexity vs decode latency")]
 
 
+def run_config(cfg: dict):
+    """A stored run config (a row's `config` JSON: name, method fields, extras' tables) -> its method config, or
+    None where it no longer builds (a row of a method since removed or changed)."""
+    spec = {k: v for k, v in cfg.items() if k != "name" and k not in known_extras()}
+    try:
+        return make_config(spec)
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def scheme(cfg: dict, dtype: str) -> str:
-    """Short description of what a run quantizes: "w4 g64 asym", "w8 channel sym + a8 dynamic", ..."""
-    if "bits" in cfg:
-        g = "channel" if cfg.get("group_size") is None else f"g{cfg['group_size']}"
-        text = f"w{cfg['bits']} {g} {'sym' if cfg.get('symmetric', True) else 'asym'}"
-        if cfg.get("format", "int") != "int":  # a number format (core/formats.py) names itself
-            text = f"{cfg['format']}{'+dq' if cfg.get('double_quant') else ''} {g}"
-        if cfg.get("overrides"):  # per-layer grids (quantlab.core.overrides): the base grid is not the whole story
-            text += f" + {len(cfg['overrides'])} overrides"
-    elif isinstance(cfg.get("base"), dict):
-        text = scheme(cfg["base"], dtype)
-    else:
-        text = dtype  # nothing quantized in the weights (a rotation or the KV cache may still apply)
-    if cfg["method"] == "qat":
-        text += f" + QAT {'LSQ' if cfg.get('learn_scales', True) else 'STE'}"
-    if cfg["method"] == "lora":  # adapters beside the codes, or merged into re-quantized codes
-        text += f" + LoRA r{cfg.get('r', 16)}{' merged' if cfg.get('merge') else ''}"
-    if "act_bits" in cfg:
-        kind = "dynamic" if cfg["method"] == "dynamic" else f"static {cfg.get('act_granularity', '')} {cfg.get('observer', '')}"
-        act = f"a{cfg['act_bits']}" if cfg.get("act_format", "int") == "int" else f"a-{cfg['act_format']}"
-        text += f" + {act} {kind.strip()}"
-    rot = cfg.get("rotation")
-    if rot and rot.get("scope") == "online":
-        text += " + rot online"
-    elif rot:  # transforms/rotation.py: which rotations were folded in
-        text += " + rot " + "".join(["R1"] + (["R2"] if rot.get("r2", True) else []) + (["R4"] if rot.get("r4", True) else []))
-        text += "" if rot.get("kind", "hadamard") == "hadamard" else f" {rot['kind']}"
-    kv = cfg.get("kv_cache")
-    if kv and (kv.get("bits", 16) < 16 or kv.get("rotate_k")):
-        text += f" + kv{kv.get('bits', 16)}" if kv.get("format", "int") == "int" else f" + kv-{kv['format']}"
-        text += " rotK" if kv.get("rotate_k") else ""  # QuaRot's online head-dim Hadamard on Q and K
-    emb = cfg.get("embedding")
-    if emb:  # core/qembedding.py: the input embedding (and a tied head) as per-row codes
-        text += f" + emb{emb.get('bits', 8)}"
-    return text
+    """Short description of what a run quantizes: "w4 g64 asym", "w8 channel sym + a8 dynamic", "w4 g64 asym + QAT
+    LSQ + kv4 g64 asym": the method's own describe() (methods/), then each run extra's (extras/)."""
+    config = run_config(cfg)
+    text = cfg.get("method", "?") if config is None else get_method(config).describe(config, dtype)
+    return " + ".join([text, *describe_extras(cfg)])
+
+
+def add_grid_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """bits, group_size, symmetric, format, act_bits of every row from its stored config (the effective grid, a
+    base included: core.registry.grid_fields), as nullable integers / booleans, right after `scheme`. Rows whose
+    config no longer builds keep what they stored."""
+    if "config" not in df:
+        return df
+    df = df.copy()
+    fields = []
+    for i, (c, d) in enumerate(zip(df["config"], df["dtype"])):
+        config = run_config(json.loads(c))
+        stored = {k: df[k].iloc[i] if k in df else None for k in GRID_FIELDS}
+        fields.append(stored if config is None else grid_fields(config, d))
+    grid = pd.DataFrame(fields, index=df.index, columns=list(GRID_FIELDS))
+    types = {"bits": "Int64", "group_size": "Int64", "act_bits": "Int64", "symmetric": "boolean", "format": "string"}
+    grid = grid.astype({k: v for k, v in types.items()})
+    rest = df.drop(columns=[c for c in GRID_FIELDS if c in df])
+    at = list(rest.columns).index("scheme") + 1 if "scheme" in rest else len(rest.columns)
+    return pd.concat([rest.iloc[:, :at], grid, rest.iloc[:, at:]], axis=1)
 
 
 def add_ratios(df: pd.DataFrame) -> pd.DataFrame:
@@ -104,7 +106,7 @@ def add_ratios(df: pd.DataFrame) -> pd.DataFrame:
     does it) gets its speed ratio from that pair, so drift of the machine between rows cancels; older rows
     divide the baseline row's latency by theirs."""
     df = df.copy()
-    base = df[df["method"] == "none"]
+    base = df[df["method"].map(is_baseline)]
     if base.empty:
         for c in ("ppl_delta_pct", "weight_ratio", "prefill_speedup", "decode_speedup"):
             df[c] = float("nan")
@@ -148,7 +150,7 @@ def add_intervals(df: pd.DataFrame) -> pd.DataFrame:
         return df
     df = df.copy()
     windows = [_window_lists(r) for _, r in df.iterrows()]
-    base = next((w for w, m in zip(windows, df["method"]) if m == "none"), None)
+    base = next((w for w, m in zip(windows, df["method"]) if is_baseline(m)), None)
     out = {c: [float("nan")] * len(df) for c in ("ppl_ci_low", "ppl_ci_high", "ppl_delta_ci_low", "ppl_delta_ci_high")}
     excludes = [None] * len(df)
     for i, w in enumerate(windows):
@@ -224,7 +226,7 @@ def _best(df: pd.DataFrame, col: str, fmt: str) -> str | None:
     lower = LOWER_IS_BETTER | domains.lower_is_better(df)
     if col not in lower | HIGHER_IS_BETTER:
         return None
-    values = pd.to_numeric(df.loc[df["method"] != "none", col], errors="coerce").dropna()
+    values = pd.to_numeric(df.loc[~df["method"].map(is_baseline), col], errors="coerce").dropna()
     if values.empty:
         return None
     return _fmt(values.min() if col in lower else values.max(), fmt)
@@ -239,7 +241,7 @@ def markdown_table(df: pd.DataFrame, columns=TABLE_COLUMNS, mark_best: bool = Fa
         cells = []
         for c, _, f in cols:
             text = _cell(row, c, f)
-            is_best = best.get(c) is not None and row.get("method") != "none" and _fmt(row[c], f) == best[c]
+            is_best = best.get(c) is not None and not is_baseline(row.get("method")) and _fmt(row[c], f) == best[c]
             cells.append(f"**{text}**" if is_best else text)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -309,8 +311,9 @@ def write_report(name: str, rows: list[dict], reports_dir: str | Path, descripti
         raise ValueError(f"no result rows for {name!r}: nothing to report")
     reports_dir = Path(reports_dir)
     df = pd.DataFrame(rows)
-    if "config" in df:  # derived from the stored config, so older rows get the current wording too
+    if "config" in df:  # derived from the stored config, so older rows get the current wording and grid too
         df["scheme"] = [scheme(json.loads(c), d) for c, d in zip(df["config"], df["dtype"])]
+        df = add_grid_columns(df)
     df = domains.add_domain_columns(add_intervals(add_ratios(drop_lifetime_peaks(df))))
     summary, per_seed = summarize_seeds(df)
     at = [c for c, _, _ in TABLE_COLUMNS].index("ppl_delta_ci") + 1  # other domains' columns follow the main ppl's

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from ..core.registry import is_baseline
 from . import domains, stats
 
 LATENCY_REF = "latency_ref_"  # + a latency column: the float model timed just before the row (runner)
@@ -54,7 +55,7 @@ def protocol_text(df: pd.DataFrame) -> str:
 def _latency_ratio_text(df: pd.DataFrame) -> str:
     """How the × speed columns were formed: paired with a float measurement per row, or against the baseline row."""
     col = "prefill_ms_p50"
-    timed = df[(df["method"] != "none") & df[col].notna()] if col in df else df.iloc[:0]
+    timed = df[~df["method"].map(is_baseline) & df[col].notna()] if col in df else df.iloc[:0]
     if timed.empty:
         return ""
     paired = timed[LATENCY_REF + col].notna() if LATENCY_REF + col in timed else pd.Series(False, index=timed.index)

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.checks import check_dtype, check_name, utf8_error
+from ..core.extras import extras_to_dict, known_extras, parse_extras
 from ..core.registry import config_to_dict, get_method, make_config
 from ..models.data import domain_label
 from ..reporting.findings import check_domains, check_runs
-from .protocols import CalibrationProtocol, EvalProtocol, ExecutionConfig, _check_keys  # noqa: F401 (re-exported)
+from ..util.checks import check_dtype, check_name, utf8_error
+from .protocols import CalibrationProtocol, EvalProtocol, ExecutionConfig, check_keys  # noqa: F401 (re-exported)
 from .sweep import expand_sweep
-
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,9 @@ class RunSpec:
     seed: int | None = None  # set when the run is one of a `seeds` list; None: the experiment's seed
     group: str | None = None  # the run's name before seed expansion ("gptq-w4" for "gptq-w4-seed1")
     backend: str = "simulated"  # "simulated" | "torchao" | "auto" | "onnxruntime": real kernels for evaluating
-    rotation: Any = None  # a RotationConfig (or its table): rotate the float model before quantizing
-    kv_cache: Any = None  # a KVCacheConfig (or its table): quantize the keys and values attention uses
-    embedding: Any = None  # an EmbeddingQuantConfig (or its table): the input embedding (and a tied head) as codes
+    # run extras (core/extras.py): ((RunExtra, config), ...) in registry order, or {key: table} (`rotation = {...}`,
+    # `kv_cache = {...}`, `embedding = {...}`), parsed here
+    extras: Any = ()
     calibration: Any = None  # a CalibrationProtocol: this run's own (a `calibration = {...}` table); None: the file's
 
     def __post_init__(self):
@@ -51,58 +51,20 @@ class RunSpec:
         if self.calibration is not None and not _depends_on_seed(self.config):
             raise ValueError(f"calibration = {{...}} applies to runs that calibrate or train; "
                              f"{get_method(self.config).name} here does neither")
-        if isinstance(self.rotation, dict):
-            object.__setattr__(self, "rotation", _table_config("rotation", self.rotation))
-        if isinstance(self.kv_cache, dict):
-            object.__setattr__(self, "kv_cache", _table_config("kv_cache", self.kv_cache))
-        if isinstance(self.embedding, dict):
-            object.__setattr__(self, "embedding", _table_config("embedding", self.embedding))
-        if self.rotation is not None:
-            check_rotation_composes(self.rotation, self.config, self.backend)
+        extras = self.extras if isinstance(self.extras, dict) else {e.key: c for e, c in self.extras}
+        object.__setattr__(self, "extras", parse_extras(extras))
+        for extra, config in self.extras:
+            reason = extra.refusal(config, self.backend)
+            if reason:
+                raise ValueError(f"backend {self.backend!r} {reason}; use backend = \"simulated\"")
+            extra.check(config, self.config, self.backend)
+
+    def extra(self, key: str):
+        """The config of the run's extra `key` (e.g. "kv_cache"), or None."""
+        return next((config for extra, config in self.extras if extra.key == key), None)
 
     def to_dict(self) -> dict:
-        extra = {k: getattr(self, k).to_dict() for k in ("rotation", "kv_cache", "embedding") if getattr(self, k) is not None}
-        return {"name": self.name, **config_to_dict(self.config), **extra}
-
-
-def _table_config(field: str, table: dict):
-    """A run's `rotation = {...}` / `kv_cache = {...}` / `embedding = {...}` table -> its config (unknown keys named)."""
-    if field == "rotation":
-        from ..transforms.rotation import RotationConfig as cls
-    elif field == "embedding":
-        from ..core.qembedding import EmbeddingQuantConfig as cls
-    else:
-        from ..kvcache import KVCacheConfig as cls
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(table) - set(names))
-    if unknown:
-        raise ValueError(f"{field}: unknown key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(names)}")
-    return cls(**table)
-
-
-def _nested_configs(config):
-    """A method config and every config nested in it (`base`), outermost first."""
-    while config is not None:
-        yield config
-        config = getattr(config, "base", None)
-
-
-def check_rotation_composes(rotation, config, backend: str) -> None:
-    """R4 puts an online Hadamard between up_proj and down_proj: a smoothing scale folded across that pair (AWQ's
-    up -> down group, SmoothQuant's linear inputs) would no longer cancel. Real kernels do not run the hook."""
-    online = rotation.scope == "online"
-    for c in _nested_configs(config):
-        name = get_method(c).name
-        if online and name in ("awq", "smoothquant"):
-            raise ValueError(f"rotation scope 'online' (a Hadamard on every linear's input) does not compose with "
-                             f"{name}: its per-channel scales live in the unrotated channels")
-        if rotation.r4 and (name == "awq" or (name == "smoothquant" and getattr(c, "smooth_linear_inputs", False))):
-            raise ValueError(f"rotation with r4 = true (online Hadamard on down_proj's input) does not compose with "
-                             f"{name}{' smooth_linear_inputs' if name == 'smoothquant' else ''}: its up_proj -> "
-                             f"down_proj scales would not cancel through the Hadamard; set r4 = false in rotation")
-    if (rotation.r4 or online) and backend != "simulated":
-        raise ValueError(f"rotation with r4 = true runs an online Hadamard in PyTorch; backend {backend!r} is not "
-                         f"supported with it (use backend = \"simulated\" or r4 = false)")
+        return {"name": self.name, **config_to_dict(self.config), **extras_to_dict(self.extras)}
 
 
 @dataclass(frozen=True)
@@ -133,19 +95,18 @@ class Experiment:
             raise ValueError(f"experiment {self.name!r}: findings must be a string (a template), "
                              f"got {type(self.findings).__name__}")
         for r in self.runs:
-            if (r.rotation is not None or r.kv_cache is not None or r.embedding is not None) \
-                    and self.eval.memory == "isolated":
-                raise ValueError(f"experiment {self.name!r}: run {r.name!r} rotates or quantizes the KV cache or the "
-                                 f"embedding, which "
-                                 f"the isolated memory process (it reloads the model) does not replay; set "
-                                 f"[eval] memory = \"none\" for this experiment")
+            for extra, _ in r.extras:
+                if self.eval.memory == "isolated" and not extra.replayed_in_isolation:
+                    raise ValueError(f"experiment {self.name!r}: run {r.name!r} has {extra.key} = {{...}}, which the "
+                                     f"isolated memory process (it reloads the model) does not replay; set [eval] "
+                                     f"memory = \"none\" for this experiment")
+                if self.eval.metric not in extra.metrics:
+                    raise ValueError(f"experiment {self.name!r}: run {r.name!r}: {extra.key} applies to metric "
+                                     f"{' or '.join(map(repr, extra.metrics))}, not to metric {self.eval.metric!r}")
             if r.backend == "onnxruntime":
                 from ..backends.ort import check_ort_run
 
                 check_ort_run(self, r)
-            if r.kv_cache is not None and self.eval.metric != "perplexity":
-                raise ValueError(f"experiment {self.name!r}: run {r.name!r}: kv_cache applies to decoder "
-                                 f"(perplexity) experiments, not to metric {self.eval.metric!r}")
 
 
 def _check_seeds(seeds, where: str) -> tuple[int, ...]:
@@ -195,7 +156,7 @@ def _run_calibration(value, calib_table: dict | None):
         return None
     if not isinstance(value, dict):
         raise ValueError(f"calibration must be a table, e.g. calibration = {{ num_samples = 128 }}, got {value!r}")
-    _check_keys(value, CalibrationProtocol, "calibration")
+    check_keys(value, CalibrationProtocol, "calibration")
     base = dict(calib_table or {})
     if "datasets" in value and "dataset" not in value:  # the run's datasets replace the file's dataset too
         base.pop("dataset", None)
@@ -215,13 +176,10 @@ def _parse_run(i: int, table: dict, where: str, calib_table: dict | None = None)
     except ValueError as e:
         raise ValueError(f"{where}: [[run]] #{i + 1}: {e}") from None
     backend = table.pop("backend", "simulated")
-    rotation, kv_cache, embedding = table.pop("rotation", None), table.pop("kv_cache", None), table.pop("embedding", None)
+    extras = {key: table.pop(key) for key in known_extras() if key in table}
     calibration = table.pop("calibration", None)
     try:
-        for field, value in (("rotation", rotation), ("kv_cache", kv_cache), ("embedding", embedding)):
-            if value is not None and not isinstance(value, dict):
-                raise ValueError(f"{field} must be a table, e.g. {field} = {{...}}, got {value!r}")
-        return RunSpec(name, make_config(table), backend=backend, rotation=rotation, kv_cache=kv_cache, embedding=embedding,
+        return RunSpec(name, make_config(table), backend=backend, extras=extras,
                        calibration=_run_calibration(calibration, calib_table))
     except (ValueError, KeyError, TypeError) as e:
         msg = e.args[0] if e.args else str(e)
@@ -235,14 +193,14 @@ def parse_experiment(data: dict, where: str = "experiment", default_name: str = 
         raise ValueError(f"{where}: write runs as [[run]] tables, not 'runs'")
     if not isinstance(data.get("sweep", []), list) or not all(isinstance(t, dict) for t in data.get("sweep", [])):
         raise ValueError(f"{where}: write sweeps as [[sweep]] tables")
-    _check_keys({k: v for k, v in data.items() if k not in ("run", "sweep")}, Experiment, where)
+    check_keys({k: v for k, v in data.items() if k not in ("run", "sweep")}, Experiment, where)
     if "model" not in data:
         raise ValueError(f"{where}: missing required key 'model'")
     eval_table, calib_table = data.pop("eval", {}), data.pop("calibration", {})
     exec_table = data.pop("execution", {})
-    _check_keys(exec_table, ExecutionConfig, f"{where} [execution]")
-    _check_keys(eval_table, EvalProtocol, f"{where} [eval]")
-    _check_keys(calib_table, CalibrationProtocol, f"{where} [calibration]")
+    check_keys(exec_table, ExecutionConfig, f"{where} [execution]")
+    check_keys(eval_table, EvalProtocol, f"{where} [eval]")
+    check_keys(calib_table, CalibrationProtocol, f"{where} [calibration]")
     exp_seeds = _check_seeds(data.pop("seeds"), where) if "seeds" in data else None
     name = data.pop("name", default_name)
     try:

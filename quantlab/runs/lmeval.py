@@ -1,6 +1,6 @@
 """`quantlab lm-eval`: lm-evaluation-harness tasks on an experiment's runs, each built as `quantlab run` builds it.
 
-Every selected run is rotated / quantized / exported exactly as the runner does (runner._evaluate_run), with the
+Every selected run is rotated / quantized / exported exactly as the runner does (evaluate.evaluate_run), with the
 experiment's [eval] reduced to what lm-eval needs: no latency, no KL, no isolated memory, one perplexity window
 (its numbers are dropped). The rows hold the run, its scheme and the lm-eval columns (eval/lmeval.py).
 
@@ -16,6 +16,7 @@ import pandas as pd
 from ..eval.lmeval import PREFIX
 from ..models.loading import resolve_device
 from ..reporting.report import scheme
+from .evaluate import EvalContext, evaluate_run
 from .experiment import Experiment
 
 
@@ -35,17 +36,15 @@ def lm_eval_runs(exp: Experiment, tasks: list[str], runs: list[str] | None = Non
                  max_length: int | None = None, batch_size: int = 1, data_dir=None, cache_dir=None,
                  progress: bool = True) -> pd.DataFrame:
     """One row per selected run: run, scheme and its lm-eval columns (lmeval_<task>_<metric>, _stderr, protocol)."""
-    from .runner import _Context, _evaluate_run
-
     exp = select_runs(exp, runs)
     e = dataclasses.replace(exp.eval, lm_eval_tasks=tuple(tasks), lm_eval_limit=limit, lm_eval_max_length=max_length,
                             lm_eval_batch_size=batch_size, latency=False, kl_windows=0, max_windows=1,
                             max_tokens=None, memory="none")
     exp = dataclasses.replace(exp, eval=e)
-    ctx = _Context(exp, resolve_device(exp.device), data_dir, cache_dir, progress)  # tasks checked before the model
+    ctx = EvalContext(exp, resolve_device(exp.device), data_dir, cache_dir, progress)  # tasks checked before the model
     rows = []
     for run in exp.runs:
-        metrics = _evaluate_run(ctx, run)
+        metrics = evaluate_run(ctx, run)
         rows.append({"run": run.name, "method": run.to_dict()["method"], "scheme": scheme(run.to_dict(), exp.dtype),
                      "model": exp.model, "dtype": exp.dtype,
                      **{k: v for k, v in metrics.items() if k.startswith(PREFIX)}})

@@ -4,10 +4,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..core.checks import check_int
 from ..models.data import check_dataset, domain_label
+from ..util.checks import check_int
 
-def _check_keys(table: dict, cls: type, where: str) -> None:
+
+def check_keys(table: dict, cls: type, where: str) -> None:
     valid = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(table) - valid)
     if unknown:

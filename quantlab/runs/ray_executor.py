@@ -76,21 +76,21 @@ def _remote_run(exp, run, data_dir, cache_dir, threads: int) -> dict:
 
     from ..models.loading import resolve_device
     from .envinfo import environment
-    from .runner import _Context, _evaluate_run, _result_row
+    from .evaluate import EvalContext, evaluate_run, result_row
 
     torch.set_num_threads(max(1, threads))
     device = resolve_device(exp.device)
     try:
-        ctx = _Context(exp, device, data_dir, cache_dir, progress=False)
-        metrics = _evaluate_run(ctx, run)
-        return {"row": _result_row(ctx, run, metrics, environment(device))}
+        ctx = EvalContext(exp, device, data_dir, cache_dir, progress=False)
+        metrics = evaluate_run(ctx, run)
+        return {"row": result_row(ctx, run, metrics, environment(device))}
     except Exception as e:  # noqa: BLE001 - the run's own failure: reported, not retried
         return {"error": f"{type(e).__name__}: {e}"}
 
 
 def run_pending_ray(exp, pending: list, results: Path, data_dir, cache_dir, address: str | None) -> list[str]:
     """Submit every pending run, append rows as they come back; returns "name: error" per failed run."""
-    from .results import append_row
+    from ..reporting.results import append_row
 
     ray, started = connect(address)
     ex = exp.execution

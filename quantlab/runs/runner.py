@@ -5,311 +5,39 @@ protocols + model + seed + device) is already in the file, unless force=True.
 """
 from __future__ import annotations
 
-import copy
-import hashlib
-import json
 import logging
-import shutil
-import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-
-from ..backends import export_for_run
-from ..core.lifecycle import quantize
-from ..core.registry import get_method, method_versions, non_default_fields
-from ..eval import measure_latency, peak_memory_mib, perplexity, reset_peak_memory, weight_stats
-from ..eval.embedding import embedding_fidelity, layer_output_errors, mean_pooled_embeddings, sentences_from_text
-from ..eval.lmeval import check_tasks, run_lm_eval
-from ..eval.memprobe import isolated_run_memory
-from ..eval.perplexity import KL_REFERENCE_ON_THE_FLY
-from ..core.qembedding import quantize_embedding
-from ..kvcache import apply_kv_quant, kv_describe
-from ..models.data import (
-    bos_description,
-    bos_token_id,
-    calibration_windows,
-    domain_label,
-    eval_windows,
-    load_text,
-    load_token_ids,
-    split_counts,
-    tokenize,
-)
-from ..models.loading import default_cache_dir, load_model, model_info, resolve_device
-from ..reporting.report import LATENCY_REF, SPEED_COLUMNS, scheme, write_report
-from ..transforms.rotation import rotate_model
+from ..core.registry import get_method
+from ..models.loading import resolve_device
+from ..reporting.report import scheme, write_report
+from ..reporting.results import append_row, read_rows, results_lock
 from .envinfo import environment
+from .evaluate import EvalContext, evaluate_run, result_row, run_key
 from .experiment import Experiment, RunSpec
-from .results import append_row, read_rows, results_lock
 
 log = logging.getLogger(__name__)
-
-
-def run_key(exp: Experiment, run: RunSpec, device: torch.device) -> str:
-    method = get_method(run.config)
-    # training (QAT) reads its windows from the calibration protocol too
-    needs_calib = method.needs_calibration_for(run.config) or method.needs_training_for(run.config)
-    ident = {
-        "run": {"name": run.name, "method": get_method(run.config).name, **non_default_fields(run.config),
-                **({"backend": run.backend} if run.backend != "simulated" else {}),
-                **{k: getattr(run, k).to_dict() for k in ("rotation", "kv_cache", "embedding") if getattr(run, k) is not None}},
-        "model": exp.model, "dtype": exp.dtype, "seed": exp.seed, "device": device.type,
-        "eval": non_default_fields(exp.eval),
-        # a run's own calibration = {...} counts as what it is: the same protocol as the file's, the same key
-        "calibration": non_default_fields(run.calibration or exp.calibration) if needs_calib else None,
-    }
-    versions = method_versions(run.config)
-    if versions:  # a method whose default behaviour changed: rows of the old one are not reused
-        ident["versions"] = versions
-    if run.seed is not None:  # only runs expanded from `seeds`: every other key stays as it was
-        ident["run_seed"] = run.seed
-    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 EXECUTORS = ("local", "ray")
 
 
-class _Context:
-    """The float model (also the KL reference), token windows and calibration data, shared across runs."""
-
-    def __init__(self, exp: Experiment, device, data_dir, cache_dir, progress: bool):
-        self.exp, self.device, self.data_dir, self.cache_dir, self.progress = exp, device, data_dir, cache_dir, progress
-        # lm-eval tasks are built (their data sets loaded) before the model: a task the hub must serve fails here
-        self.lm_eval_tasks = check_tasks(list(exp.eval.lm_eval_tasks), data_dir) if exp.eval.lm_eval_tasks else None
-        self.model, self.tokenizer = load_model(exp.model, exp.dtype, str(device), cache_dir, progress=progress)
-        self.max_positions = model_info(self.model)["max_positions"]
-        self.bos_id = bos_token_id(self.tokenizer, exp.eval.bos)  # None, or the token every window starts with
-        length = exp.eval.seq_len if exp.eval.metric == "perplexity" else exp.eval.max_length
-        self._check_length("eval", length)
-        e = exp.eval
-        if e.metric == "embedding":
-            text, self.eval_source = load_text(e.dataset, e.split, data_dir)
-            self.sentences = sentences_from_text(text, e.num_sentences)
-            self.eval_ids = tokenize(" ".join(self.sentences), self.tokenizer, cache_dir)
-            self.reference = mean_pooled_embeddings(self.model, self.tokenizer, self.sentences, e.max_length,
-                                                    progress=progress)
-            self.error_batch = self.tokenizer(self.sentences[:32], padding=True, truncation=True,
-                                              max_length=e.max_length, return_tensors="pt")
-        else:
-            self.eval_ids, self.eval_source = load_token_ids(e.dataset, e.split, self.tokenizer, data_dir, cache_dir)
-            self.windows = eval_windows(self.eval_ids, e.seq_len, e.max_windows, e.max_tokens, self.bos_id, e.windows)
-            # KL reference: ctx.model runs on each KL window right before the evaluated model (perplexity());
-            # nothing is stored, so memory does not grow with kl_windows (stored log-probs: T x V x 4 B each)
-            self.kl_windows = min(e.kl_windows, len(self.windows))
-            # [eval] datasets: {label: (windows, source)} of every domain, the main one (above) first
-            self.domains = {}
-            for d in e.datasets or ():
-                ids, source = (self.eval_ids, self.eval_source) if d == e.dataset else load_token_ids(
-                    d, e.split, self.tokenizer, data_dir, cache_dir)
-                windows = self.windows if d == e.dataset else eval_windows(ids, e.seq_len, e.max_windows, e.max_tokens,
-                                                                           self.bos_id, e.windows)
-                self.domains[domain_label(d)] = (windows, source)
-        self._reference_state = self._model_state()
-        self._calib, self._calib_ids, self.calib_sources = {}, {}, {}
-
-    def _model_state(self) -> tuple:
-        """In-place changes bump a tensor's version: the float model (the KL reference) must stay as loaded."""
-        return self.model.training, tuple((p.data_ptr(), p._version) for p in self.model.parameters())
-
-    def check_reference(self) -> None:
-        if self._model_state() != self._reference_state:
-            raise RuntimeError("the float model (KL reference, baseline) was modified in place by this or an "
-                               "earlier run; runs must quantize a copy")
-
-    def _check_length(self, what: str, length: int) -> None:
-        if self.max_positions and length > self.max_positions:
-            raise ValueError(f"{what} length {length} exceeds the model's max positions ({self.max_positions})")
-
-    def calibration(self, seed: int | None = None, protocol=None) -> torch.Tensor:
-        """Calibration windows of `protocol` (default: the experiment's) drawn with `seed` (default: the
-        experiment's), cached per (protocol, seed). Several datasets: each gives its share of num_samples
-        (split_counts by `mix`), drawn with the same seed from its own text, concatenated in the listed order."""
-        seed = self.exp.seed if seed is None else seed
-        c = protocol or self.exp.calibration
-        if (c, seed) not in self._calib:
-            self._check_length("calibration.seq_len", c.seq_len)
-            counts = split_counts(c.num_samples, c.mix or [1] * len(c.domains()))
-            parts, sources = [], []
-            for d, n in zip(c.domains(), counts):
-                if (d, c.split) not in self._calib_ids:
-                    self._calib_ids[d, c.split] = load_token_ids(d, c.split, self.tokenizer, self.data_dir,
-                                                                 self.cache_dir)
-                ids, source = self._calib_ids[d, c.split]
-                parts.append(calibration_windows(ids, n, c.seq_len, seed, self.bos_id))
-                sources.append(source if c.datasets is None else f"{domain_label(d)} ({n} windows): {source}")
-            self._calib[c, seed] = torch.cat(parts)
-            self.calib_sources[c] = "; ".join(sources)
-        return self._calib[c, seed]
-
-
-def _domain_metrics(ctx: _Context, model, main: dict) -> dict:
-    """[eval] datasets: each domain's ppl, KL and per-window NLL under its own suffix (ppl_pystdlib, ...); the main
-    domain's numbers are `main`'s (measured once). Each domain is measured as a single-domain run would be."""
-    out, reference_s = {"eval_domains": json.dumps(list(ctx.domains))}, 0.0
-    for label, (windows, source) in ctx.domains.items():
-        if windows is ctx.windows:
-            ppl = main
-        else:
-            kl = min(ctx.exp.eval.kl_windows, len(windows))
-            ppl = perplexity(model, windows, ctx.model if kl else None, ctx.progress, kl_windows=kl if kl else None)
-            reference_s += ppl.get("kl_reference_s") or 0.0
-        out.update({f"ppl_{label}": ppl["ppl"], f"nll_mean_{label}": ppl["nll_mean"],
-                    f"kl_mean_{label}": ppl.get("kl_mean"), f"top1_agree_{label}": ppl.get("top1_agree"),
-                    f"eval_windows_{label}": len(windows), f"eval_tokens_{label}": windows.numel(),
-                    f"eval_source_{label}": source, f"window_nll_{label}": json.dumps(ppl["window_nll"]),
-                    f"window_tokens_{label}": json.dumps([windows.shape[1] - 1] * len(windows))})
-    return out | {"domains_kl_reference_s": reference_s}
-
-
-def _perplexity_metrics(ctx: _Context, model) -> dict:
-    reference = ctx.model if ctx.kl_windows else None
-    ppl = perplexity(model, ctx.windows, reference, ctx.progress, kl_windows=ctx.kl_windows if reference else None)
-    domains = _domain_metrics(ctx, model, ppl) if ctx.domains else {}
-    if domains:  # eval_s excludes every domain's reference time
-        ppl["kl_reference_s"] = (ppl.get("kl_reference_s") or 0.0) + domains.pop("domains_kl_reference_s")
-    return {"ppl": ppl["ppl"], "nll_mean": ppl["nll_mean"], "kl_mean": ppl.get("kl_mean"),
-            "top1_agree": ppl.get("top1_agree"), "kl_tokens": ppl.get("kl_tokens", 0),
-            "kl_reference": KL_REFERENCE_ON_THE_FLY if reference else None, "kl_reference_s": ppl.get("kl_reference_s"),
-            "predicted_tokens": ppl["predicted_tokens"], "eval_windows": len(ctx.windows),
-            "eval_batch_size": ppl["eval_batch_size"], "eval_gemm": ppl["eval_gemm"],
-            "eval_tokens": ctx.windows.numel(), "seq_len": ctx.exp.eval.seq_len,
-            # per-window NLL sums and predicted tokens: bootstrap intervals are computed from stored rows
-            "window_nll": json.dumps(ppl["window_nll"]),
-            "window_tokens": json.dumps([ctx.windows.shape[1] - 1] * len(ctx.windows))} | domains
-
-
-def _embedding_metrics(ctx: _Context, model) -> dict:
-    e = ctx.exp.eval
-    emb = mean_pooled_embeddings(model, ctx.tokenizer, ctx.sentences, e.max_length, progress=ctx.progress)
-    errors = layer_output_errors(model, ctx.model, ctx.error_batch) if model is not ctx.model else {}
-    values = list(errors.values())
-    return {**embedding_fidelity(ctx.reference, emb), "max_length": e.max_length,
-            "layer_rel_err_mean": sum(values) / len(values) if values else 0.0,
-            "layer_rel_err_max": max(values, default=0.0),
-            "layer_rel_err": json.dumps({k: round(v, 6) for k, v in errors.items()})}
-
-
-IN_PROCESS_CUDA = ("in-process CUDA allocator peak from just before this run's evaluation to the end of its latency "
-                   "passes; the float model (baseline, KL reference run window by window) and this run's model are "
-                   "both resident")
-
-
-def _isolated_memory(ctx: _Context, run: RunSpec, model, method_name: str) -> dict:
-    """[eval] memory = "isolated": one forward of seq_len tokens of this run's model in a fresh process."""
-    exp = ctx.exp
-    return isolated_run_memory(model, run.config, exp.model, exp.eval.seq_len, quantized=method_name != "none",
-                               dtype=exp.dtype, backend=run.backend, device=str(ctx.device),
-                               cache_dir=ctx.cache_dir, threads=torch.get_num_threads())
-
-
-def _is_float_model(run: RunSpec, method_name: str, model, evaluated) -> bool:
-    """True for a run that evaluates the float model itself (method none, nothing else changed): its latency
-    is the reference, so no paired one is measured."""
-    return (method_name == "none" and evaluated is model and run.kv_cache is None and run.embedding is None
-            and run.rotation is None)
-
-
-def _evaluate_run(ctx: _Context, run: RunSpec) -> dict:
-    exp = ctx.exp
-    seed = exp.seed if run.seed is None else run.seed
-    torch.manual_seed(seed)
-    model = copy.deepcopy(ctx.model)
-    method = get_method(run.config)
-    needs_calib = method.needs_calibration_for(run.config)
-    needs_train = method.needs_training_for(run.config)
-    calib_protocol = run.calibration or exp.calibration
-    calib = [w.unsqueeze(0) for w in ctx.calibration(seed, calib_protocol)] if needs_calib or needs_train else None
-    checkpoints = Path(ctx.cache_dir or default_cache_dir()) / "checkpoints" / run_key(exp, run, ctx.device)
-    rotated = {}
-    if run.rotation is not None:  # before calibration: GPTQ / static ranges see the rotated activations
-        t0 = time.perf_counter()
-        rotated = rotate_model(model, run.rotation) | {"rotate_s": time.perf_counter() - t0}
-    summary = quantize(model, run.config, calibration=calib if needs_calib else None,
-                       training=calib if needs_train else None,
-                       teacher=ctx.model if method.needs_teacher_for(run.config) else None,
-                       checkpoint_dir=checkpoints if needs_train else None, progress=ctx.progress,
-                       train_processes=exp.execution.qat_processes)
-    isolated = _isolated_memory(ctx, run, model, method.name) if exp.eval.memory == "isolated" else {}
-    onnx_dir = Path(ctx.cache_dir or default_cache_dir()) / "onnx" / run_key(exp, run, ctx.device)
-    evaluated, exported = export_for_run(model, run.backend, method.name, ctx.eval_ids[:64].unsqueeze(0), onnx_dir)
-    if run.embedding is not None:  # after the linears: methods calibrate with the float embedding, as it was
-        exported |= quantize_embedding(model, run.embedding)
-    if run.kv_cache is not None:  # the keys and values attention uses, in the harness and in the decode cache
-        apply_kv_quant(model, run.kv_cache)
-    ctx.check_reference()
-    reset_peak_memory(ctx.device)  # CUDA: the measured phase (evaluation + latency) starts here
-    t0 = time.perf_counter()
-    row = (_embedding_metrics if exp.eval.metric == "embedding" else _perplexity_metrics)(ctx, evaluated)
-    row["eval_s"] = time.perf_counter() - t0 - (row.get("kl_reference_s") or 0.0)  # this model's evaluation
-    if exp.eval.lm_eval_tasks:  # the model as evaluated above; its time is lmeval_s, not in eval_s
-        e = exp.eval
-        row.update(run_lm_eval(model, ctx.tokenizer, list(e.lm_eval_tasks), e.lm_eval_limit, e.lm_eval_max_length,
-                               e.lm_eval_batch_size, ctx.data_dir, manager=ctx.lm_eval_tasks))
-    if exp.eval.latency:
-        prompt = ctx.eval_ids[: exp.eval.prefill_tokens].unsqueeze(0)
-        new_tokens = exp.eval.decode_tokens if exp.eval.metric == "perplexity" else 0
-        if not _is_float_model(run, method.name, model, evaluated):  # paired: the float model just before
-            ref = measure_latency(ctx.model, prompt, new_tokens, repeats=exp.eval.latency_repeats)
-            row.update({LATENCY_REF + col: ref[col] for _, col in SPEED_COLUMNS if col in ref})
-        row.update(measure_latency(evaluated, prompt, new_tokens, repeats=exp.eval.latency_repeats,
-                                   kv=run.kv_cache))
-    if isolated:  # every memory column from the fresh process (or memory_probe saying why there are none)
-        row.update(isolated)
-    elif ctx.device.type == "cuda":  # CPU: no in-process per-run peak exists (eval/memory.py)
-        row.update(peak_memory_mib(ctx.device), memory_probe=IN_PROCESS_CUDA)
-    row.update(weight_stats(model))  # the quantized PyTorch model's storage (onnxruntime: ort_model_mib too)
-    row.update({k: v for k, v in summary.items() if k.endswith("_s") or k.startswith("train_")})
-    row.update(summary["diagnostics"])  # what calibrate() reported, e.g. AWQ's chosen alphas
-    row.update(exported)
-    row.update(rotated)
-    if run.kv_cache is not None:
-        row["kv_cache"] = kv_describe(run.kv_cache)
-    if needs_calib or needs_train:
-        c = calib_protocol
-        row.update(calib_source=ctx.calib_sources[c], calib_samples=c.num_samples, calib_seq_len=c.seq_len)
-    del model, evaluated
-    if needs_train and checkpoints.exists():  # the row is about to be saved: the run will not resume
-        shutil.rmtree(checkpoints)
-    return row
-
-
-def _result_row(ctx: _Context, run: RunSpec, metrics: dict, env: dict) -> dict:
-    exp, cfg = ctx.exp, run.to_dict()
-    return {
-        "run": run.name, "method": cfg["method"], "scheme": scheme(cfg, exp.dtype),
-        "bits": cfg.get("bits"), "group_size": cfg.get("group_size"), "symmetric": cfg.get("symmetric"),
-        **metrics,
-        "backend": metrics.get("backend") or (
-            "float" if cfg["method"] == "none" else "simulated (PyTorch dequant on the fly)"),
-        "model": exp.model, "dtype": exp.dtype, "seed": exp.seed if run.seed is None else run.seed,
-        "experiment": exp.name, "run_group": run.group or run.name,
-        "eval_metric": exp.eval.metric, "eval_dataset": exp.eval.dataset, "eval_split": exp.eval.split,
-        "eval_source": ctx.eval_source, "bos": bos_description(ctx.tokenizer, exp.eval.bos, exp.eval.seq_len),
-        **({"eval_window_order": exp.eval.windows} if exp.eval.windows != "first" else {}), **env,
-        "config": json.dumps(cfg, sort_keys=True),
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "run_key": run_key(exp, run, ctx.device),
-    }
-
-
 def _run_pending(exp: Experiment, pending: list[RunSpec], results: Path, device, data_dir, cache_dir,
                  progress: bool) -> list[str]:
     """Evaluate each pending run, appending its row at once; returns "name: error" per failed run."""
-    ctx = _Context(exp, device, data_dir, cache_dir, progress)
+    ctx = EvalContext(exp, device, data_dir, cache_dir, progress)
     env = environment(device)
     failures = []
     for i, run in enumerate(pending, 1):
         log.info("[%d/%d] %s", i, len(pending), run.name)
         try:
-            metrics = _evaluate_run(ctx, run)
+            metrics = evaluate_run(ctx, run)
         except Exception as e:  # keep going: finished rows are saved, this run is retried next time
             log.error("run %r failed: %s: %s", run.name, type(e).__name__, e)
             log.debug("traceback of run %r:", run.name, exc_info=True)  # shown with quantlab -v
             failures.append(f"{run.name}: {e}")
             continue
-        append_row(results, _result_row(ctx, run, metrics, env))
+        append_row(results, result_row(ctx, run, metrics, env))
     return failures
 
 

@@ -16,6 +16,7 @@ import math
 import re
 from typing import Any
 
+from ..core.extras import extras_to_dict
 from ..core.registry import field_defaults, get_method
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -108,7 +109,7 @@ def experiment_dict(exp) -> dict:
     data["run"] = []
     for r in exp.runs:  # runs expanded from `seeds` fold back into one table with its seeds list
         backend = {"backend": r.backend} if r.backend != "simulated" else {}
-        backend |= {k: getattr(r, k).to_dict() for k in ("rotation", "kv_cache", "embedding") if getattr(r, k) is not None}
+        backend |= extras_to_dict(r.extras)
         if r.calibration is not None:  # the run's own calibration: the fields that differ from the file's
             backend["calibration"] = {f.name: getattr(r.calibration, f.name) for f in dataclasses.fields(r.calibration)
                                       if getattr(r.calibration, f.name) != getattr(exp.calibration, f.name)}

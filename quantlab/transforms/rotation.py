@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..core.checks import check_choice, check_int
 from ..core.lifecycle import linearize_conv1d
 from ..models.arch import arch_for, find_blocks
+from ..util.checks import check_choice, check_int
 from .hadamard import factor_order, hadamard_matrix, hadamard_transform, random_orthogonal, random_signs
 
 KINDS = ("hadamard", "random")

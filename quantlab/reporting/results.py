@@ -16,7 +16,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..core.checks import read_utf8
+from ..util.checks import read_utf8
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ import torch
 from tqdm.auto import tqdm
 
 from ..backends import export_model
-from ..core.checks import check_dtype, resolve_dtype
 from ..core.lifecycle import quantize
 from ..core.registry import make_config
-from .latency import measure_latency
-from .memory import weight_stats
+from ..eval.latency import measure_latency
+from ..eval.memory import weight_stats
+from ..util.checks import check_dtype, resolve_dtype
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class BenchConfig:
 def estimate_for(cfg: BenchConfig, model_config, batch: int, seq_len: int, summary: dict, device: str = "cpu",
                  overhead_mib: float | None = None):
     """quantlab.eval.estimate for a benchmark configuration as prepare() left it (summary: its export fields)."""
-    from .estimate import estimate_memory
+    from ..eval.estimate import estimate_memory
 
     if cfg.torchao_config:  # fp8: 1 byte per weight + a scale per row, roughly int8's layout
         bits, group_size, symmetric = 8, None, True

@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from ..core.primitives import QParams, _grouped, _ungrouped, n_groups, qparams_from_range
+from ..core.primitives import QParams, grouped, n_groups, qparams_from_range, ungrouped
 from ..core.qlinear import WeightSpec
 
 
@@ -116,15 +116,15 @@ def _diagonal_blocks(gram: torch.Tensor, group_size: int | None) -> torch.Tensor
 def group_errors(delta_w: torch.Tensor, blocks: torch.Tensor, group_size: int | None) -> torch.Tensor:
     """(out, n_groups): each (row, group)'s part of ‖ΔW X‖² without cross-group terms, i.e. the error of that
     group's partial output Σ_{j∈group} ΔW_j x_j (llm-awq's clip loss)."""
-    delta = _grouped(delta_w, group_size).transpose(0, 1)  # (n_groups, out, g)
+    delta = grouped(delta_w, group_size).transpose(0, 1)  # (n_groups, out, g)
     return (torch.bmm(delta, blocks) * delta).sum(-1).transpose(0, 1)
 
 
 def clamp_symmetric(w: torch.Tensor, ratio: torch.Tensor, group_size: int | None) -> torch.Tensor:
     """W clamped to ±max|w|·ratio per (row, group) (llm-awq apply_clip); ratio (out, n_groups). A new tensor."""
-    wg = _grouped(w, group_size)  # (out, n_groups, g)
+    wg = grouped(w, group_size)  # (out, n_groups, g)
     max_val = (wg.abs().amax(-1) * ratio).unsqueeze(-1)
-    return _ungrouped(torch.clamp(wg, -max_val, max_val), w.shape[-1])
+    return ungrouped(torch.clamp(wg, -max_val, max_val), w.shape[-1])
 
 
 def search_clip_symmetric(w: torch.Tensor, gram: torch.Tensor, spec: WeightSpec, ratios: list[float]) -> torch.Tensor:
@@ -154,7 +154,7 @@ def search_clip_minmax(w: torch.Tensor, gram: torch.Tensor, spec: WeightSpec,
     (qparams or None for min-max, the ratio in effect per (row, group)). None when no group shrinks or when
     the full output error, cross-group terms included, would not improve on min-max."""
     w = w.detach().float()
-    wg = _grouped(w, spec.group_size)  # (out, n_groups, g)
+    wg = grouped(w, spec.group_size)  # (out, n_groups, g)
     xmin, xmax = wg.amin(-1), wg.amax(-1)
     blocks = _diagonal_blocks(gram.float(), spec.group_size)  # (n_groups, g, g)
 

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..core.checks import check_choice
 from ..core.qlinear import QuantLinear
 from ..models.arch import find_blocks
+from ..util.checks import check_choice
 
 NEXT_INPUTS = ("quantized", "float")
 
@@ -156,7 +156,7 @@ class ModuleCalls:
                 else:
                     runs.append([(call, out)])
                     tokens = n
-            self._stacked = [(_merge([c[0] for c, _ in run]), _merge([c[1] for c, _ in run]),
+            self._stacked = [(merge_calls([c[0] for c, _ in run]), merge_calls([c[1] for c, _ in run]),
                               torch.cat([o for _, o in run])) for run in runs]
             self.calls, self.outputs = [], []
         return self._stacked
@@ -178,16 +178,16 @@ def _batch_first(value) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1
 
 
-def _same_structure(a, b) -> bool:
+def same_structure(a, b) -> bool:
     """Whether two call values can be stacked: batch-first (1, ...) tensors of one shape, or equal otherwise."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
             return False
         return _batch_first(a) or torch.equal(a, b)
     if type(a) in (tuple, list) or type(b) in (tuple, list):
-        return type(a) is type(b) and len(a) == len(b) and all(map(_same_structure, a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(map(same_structure, a, b))
     if type(a) is dict or type(b) is dict:
-        return type(a) is type(b) and a.keys() == b.keys() and all(_same_structure(a[k], b[k]) for k in a)
+        return type(a) is type(b) and a.keys() == b.keys() and all(same_structure(a[k], b[k]) for k in a)
     try:
         return a is b or bool(a == b)
     except (TypeError, ValueError, RuntimeError):  # objects without a plain equality: never stacked
@@ -197,18 +197,18 @@ def _same_structure(a, b) -> bool:
 def _stackable(previous: tuple, current: tuple) -> bool:
     """Two (call, output) records whose outputs are (1, ...) tensors of one shape and whose calls match."""
     (call_a, out_a), (call_b, out_b) = previous, current
-    return _batch_first(out_a) and out_a.shape == out_b.shape and _same_structure(call_a, call_b)
+    return _batch_first(out_a) and out_a.shape == out_b.shape and same_structure(call_a, call_b)
 
 
-def _merge(values: list):
+def merge_calls(values: list):
     """Stack one argument over a run of calls: batch-first tensors concatenated, anything else taken once."""
     first = values[0]
     if _batch_first(first):
         return torch.cat(values)
     if type(first) in (tuple, list):
-        return type(first)(_merge([v[i] for v in values]) for i in range(len(first)))
+        return type(first)(merge_calls([v[i] for v in values]) for i in range(len(first)))
     if type(first) is dict:
-        return {k: _merge([v[k] for v in values]) for k in first}
+        return {k: merge_calls([v[k] for v in values]) for k in first}
     return first
 
 

@@ -1,0 +1,31 @@
+"""`kv_cache = {...}`: quantize the keys and values attention uses (quantlab/kvcache), for the run's evaluation.
+
+The runner owns it: applied once after the export, it holds for perplexity (simulated, through the attention
+interface) and latency (measure_latency finds it applied and decodes on a QuantizedKVCache), and is removed when
+the run's evaluation is done. Decoders only (metric "perplexity").
+"""
+from __future__ import annotations
+
+import contextlib
+
+from ..core.extras import AFTER_EXPORT, RunExtra, register_extra
+from ..kvcache import KVCacheConfig, kv_describe, kv_quant
+
+
+@register_extra
+class KVCache(RunExtra):
+    key = "kv_cache"
+    config_cls = KVCacheConfig
+    stage = AFTER_EXPORT
+    metrics = ("perplexity",)
+
+    def describe(self, config: KVCacheConfig) -> str:
+        return kv_describe(config)
+
+    def refusal(self, config: KVCacheConfig, backend: str) -> str | None:
+        return "does not export a quantized KV cache (kv_cache = {...})" if backend == "onnxruntime" else None
+
+    @contextlib.contextmanager
+    def apply(self, model, config: KVCacheConfig):
+        with kv_quant(model, config):  # removed on exit: the model is as it was before
+            yield {"kv_cache": kv_describe(config)}

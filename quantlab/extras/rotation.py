@@ -1,0 +1,47 @@
+"""`rotation = {...}`: rotate the float model before the method quantizes it (QuaRot; transforms/rotation.py).
+
+The method calibrates on the rotated model, so GPTQ Hessians and static ranges see rotated activations. R4 (and
+scope "online") leaves a Hadamard running in PyTorch before each down_proj (every linear), which real kernels do not
+run, and which a per-channel scale folded across that pair (the method's capability folds_scales_across_mlp, or any
+folded scale for "online") would not survive.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+from ..core.extras import BEFORE_QUANTIZE, RunExtra, register_extra
+from ..core.registry import get_method, nested_configs
+from ..transforms.rotation import RotationConfig, rotate_model
+
+
+@register_extra
+class Rotation(RunExtra):
+    key = "rotation"
+    config_cls = RotationConfig
+    stage = BEFORE_QUANTIZE
+
+    def refusal(self, config: RotationConfig, backend: str) -> str | None:
+        if backend == "onnxruntime":
+            return "does not export a rotation (rotation = {...})"
+        if (config.r4 or config.scope == "online") and backend != "simulated":
+            return (f"rotation with r4 = true runs an online Hadamard in PyTorch; backend {backend!r} is not "
+                    f"supported with it (use backend = \"simulated\" or r4 = false)")
+        return None
+
+    def check(self, config: RotationConfig, method_config, backend: str) -> None:
+        for c in nested_configs(method_config):
+            method = get_method(c)
+            if config.scope == "online" and method.folds_channel_scales(c):
+                raise ValueError(f"rotation scope 'online' (a Hadamard on every linear's input) does not compose "
+                                 f"with {method.name}: its per-channel scales live in the unrotated channels")
+            if config.r4 and method.folds_scales_across_mlp(c):
+                raise ValueError(f"rotation with r4 = true (online Hadamard on down_proj's input) does not compose "
+                                 f"with {method.name}: its up_proj -> down_proj scales "
+                                 f"would not cancel through the Hadamard; set r4 = false in rotation")
+
+    @contextlib.contextmanager
+    def apply(self, model, config: RotationConfig):
+        t0 = time.perf_counter()
+        facts = rotate_model(model, config)  # weights: stays (the run's model is a copy); no hook to undo but R4's
+        yield facts | {"rotate_s": time.perf_counter() - t0}
