@@ -72,7 +72,7 @@ def add_commands(sub) -> None:
     p.add_argument("--seq-len", type=int, default=2048, help="context: prompt + generated tokens")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="float32", help="dtype of the float parts and the KV cache")
-    p.add_argument("--backend", default="simulated", help="simulated | torchao (how scales are stored)")
+    p.add_argument("--backend", default="simulated", help="simulated | torchao | onnxruntime (weight layout, runtime)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (framework overhead)")
     p.add_argument("--device-memory", type=float, help="GiB available; prints fits / does not fit (exit 2)")
     p.set_defaults(func=cmd_estimate)

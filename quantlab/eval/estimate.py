@@ -18,12 +18,38 @@ Terms (bytes):
   CUDA: the CUDA context, outside the caching allocator (~500 MiB; not in max_memory_allocated).
 Only Llama-style decoders (q/k/v/o + gate/up/down) are modelled, Gemma-3 included (its four norms per
 layer, q/k norms and sliding-window layers counted); others fail loudly.
+
+Backend "onnxruntime" (backends/ort.py: float32 graph, CPU session) holds other things; each term was measured
+on SmolLM2-135M (ONNX Runtime 1.32, glibc with a fixed mmap threshold, so freed tensors leave RSS at once) on a
+2-core AMD EPYC with AVX2 only, and checked against reports/smollm2_speed.csv (AVX-512 EPYC):
+- weights: the initializers in MatMulNBits' layout (ort_pack: codes over whole blocks + an fp32 scale and a
+  packed zero point per block, symmetric too; per-channel layers cut into blocks of block_size_for) or fp32 for
+  a layer MatMulNBits cannot take, + every float part, + a second copy of the embedding table when it is tied:
+  constant folding turns the lm_head's Transpose(embedding) into a transposed initializer, while the embedding
+  Gather reads the original through ORT's memory map of the external-data file (smaps: the 108 MiB table
+  enters RSS as tokens are looked up: 85 MiB after one random 512-token prompt, 105 after eight). W8A8 layers
+  (MatMulInteger: int8 codes + an fp32 scale per row) store less than the 8-bit blocks counted (6 MiB on
+  SmolLM2, under 1% of its peak);
+- kv cache: every layer keeps every token (the exported graph's cache is a plain DynamicCache);
+- activations: the larger of prefill and decode. Prefill of seq_len tokens (the worst case: the whole context
+  as one prompt): the PyTorch terms above + the attention scores, which the exported graph materializes
+  (SDPA decomposed into QKᵀ, + mask, Softmax, IsNaN, Where: four fp32 and one bool (B, heads, T, T) tensors,
+  17 B per score if all are alive at once): batch x heads x seq_len² x 17 B (measured 16.5 B: the second
+  difference of the batch-8 prefill peak over T = 256, 384, 512, arena off). Decode: the present_* outputs
+  are a second KV cache while the past_* inputs live;
+- overhead: the framework constant above (the probe child imports torch and transformers too: 423 MiB
+  measured) + ORT_OVERHEAD_MIB for the ONNX Runtime library (18 MiB RSS on import) and the session beyond
+  its initializers (54 MiB fp32, 71 MiB int4 g64 accuracy_level 4: graph, kernels, packed weights' slack).
+Not modelled: the slack of ORT's BFC arena (batch 8: +63 MiB at a 512-token prefill, +102 MiB, half a cache,
+while decoding to 576 tokens); counting the scores at seq_len, not the shorter prompt, covers it on the report's
+rows (all within 4%).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
 
+from ..backends.ort_pack import MATMUL_NBITS_BITS, block_size_for
 from ..util.checks import check_choice, check_dtype, check_int, dtype_bytes
 
 MIB, GIB = 2**20, 2**30
@@ -33,7 +59,9 @@ SANDWICH_NORMS = ("gemma3_text",)  # 4 norms of hidden per layer (pre/post atten
 # Bytes per group of scale (+ zero) metadata, by backend: quantlab packs an fp16 scale (+ a uint8
 # zero when asymmetric); torchao's int8 kernels keep an fp32 scale per channel, its int4 tinygemm
 # kernels a bf16 scale + bf16 zero per group.
-BACKENDS = ("simulated", "torchao")
+BACKENDS = ("simulated", "torchao", "onnxruntime")
+ORT_OVERHEAD_MIB = 80.0  # ONNX Runtime library + session beyond its initializers (module doc: 18 + 54..71 MiB)
+ORT_SCORE_BYTES = 17  # per (B, heads, T, T) score element at prefill: four fp32 tensors and one bool (module doc)
 
 
 @dataclass(frozen=True)
@@ -108,6 +136,29 @@ def _layer_bytes(out_f: int, in_f: int, bits: int, group_size: int | None, symme
     return codes + groups * (2 + (0 if symmetric else 1))
 
 
+def _ort_layer_bytes(out_f: int, in_f: int, bits: int | None, group_size: int | None) -> int:
+    """One linear as the ORT export stores it: MatMulNBits blocks (ort_pack.pack_matmul_nbits), else fp32."""
+    block = block_size_for(group_size, in_f) if bits in MATMUL_NBITS_BITS else None
+    if block is None:  # float model, or a layer MatMulNBits cannot take: an fp32 MatMul
+        return out_f * in_f * 4
+    k_blocks = math.ceil(in_f / block)
+    return out_f * (k_blocks * block * bits // 8 + k_blocks * 4 + math.ceil(k_blocks * bits / 8))
+
+
+def _ort_terms(config, linears, float_params: int, bits, group_size, seq_len: int, batch: int) -> tuple:
+    """(weights, kv cache, activations, overhead MiB) of backend "onnxruntime", float32 (module doc)."""
+    h, heads, vocab = config.hidden_size, config.num_attention_heads, config.vocab_size
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    hd = getattr(config, "head_dim", None) or h // heads
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    weights = (sum(_ort_layer_bytes(o, i, bits, group_size) for o, i in linears)
+               + (float_params + (vocab * h if tied else 0)) * 4)  # tied: the lm_head's transposed copy
+    kv_bytes = config.num_hidden_layers * seq_len * 2 * kv * hd * batch * 4
+    prefill = (batch * seq_len * (2 * h + 3 * config.intermediate_size) * 4 + batch * vocab * 4
+               + batch * heads * seq_len**2 * ORT_SCORE_BYTES)
+    return weights, kv_bytes, max(prefill, kv_bytes), OVERHEAD_MIB["cpu"] + ORT_OVERHEAD_MIB
+
+
 def load_config(model: str, cache_dir=None):
     """The model's Hugging Face config only: no weights are loaded or converted (models.loading.load_model_config)."""
     from ..models.loading import ALIASES, load_model_config
@@ -127,8 +178,10 @@ def estimate_memory(
     """Estimate inference memory of `model` (alias, path, hub id or a config object).
 
     bits None (or >= 16) keeps the linears in `dtype`. seq_len counts prompt + generated tokens.
+    backend: how the weights are stored and run (simulated, torchao, onnxruntime: see the module doc).
 
     >>> estimate_memory("smollm2-135m", bits=4, group_size=64, seq_len=576, batch=8).total_bytes
+    >>> estimate_memory("smollm2-135m", bits=4, group_size=64, seq_len=576, batch=8, backend="onnxruntime")
     """
     if bits is not None and bits < 16:
         check_int("bits", bits, 2)
@@ -141,6 +194,9 @@ def estimate_memory(
     check_dtype("dtype", dtype)
     check_choice("backend", backend, BACKENDS)
     check_choice("device", device, OVERHEAD_MIB)
+    if backend == "onnxruntime" and (device, dtype) != ("cpu", "float32"):
+        raise ValueError(f"backend 'onnxruntime' runs float32 graphs on the CPU (backends/ort.py); got device "
+                         f"{device!r}, dtype {dtype!r}: use device 'cpu', dtype 'float32'")
     if device_memory_gib is not None and not device_memory_gib > 0:
         raise ValueError(f"device memory must be > 0 GiB, got {device_memory_gib!r}")
     config = load_config(model, cache_dir) if isinstance(model, str) else model
@@ -158,12 +214,16 @@ def estimate_memory(
     act = batch * seq_len * (2 * h + 3 * inter) * fb + batch * config.vocab_size * 4
     if quant and backend == "simulated":  # one weight dequantized on the fly (+ its unpacked uint8 codes)
         act += max(o * i for o, i in linears) * (fb + 1)
-    overhead = OVERHEAD_MIB[device] if overhead_mib is None else overhead_mib
+    weights, overhead = linear_bytes + float_params * fb, OVERHEAD_MIB[device]
+    if backend == "onnxruntime":
+        weights, kv_bytes, act, overhead = _ort_terms(config, linears, float_params, bits if quant else None,
+                                                      group_size, seq_len, batch)
+    overhead = overhead if overhead_mib is None else overhead_mib
     return MemoryEstimate(
         model=model if isinstance(model, str) else getattr(config, "name_or_path", "config"),
         bits=bits if quant else None, group_size=group_size if quant else None, seq_len=seq_len, batch=batch,
         dtype=dtype, backend=backend, quant_params=quant_params, float_params=float_params,
-        weights_bytes=linear_bytes + float_params * fb, kv_cache_bytes=kv_bytes, activation_bytes=act,
+        weights_bytes=weights, kv_cache_bytes=kv_bytes, activation_bytes=act,
         overhead_bytes=int(overhead * MIB),
         device_memory_bytes=None if device_memory_gib is None else int(device_memory_gib * GIB),
     )

@@ -61,8 +61,8 @@ def estimate_for(cfg: BenchConfig, model_config, batch: int, seq_len: int, summa
         q = cfg.quant or {}
         bits = q.get("bits", 8 if q.get("method") == "dynamic" else None)
         group_size, symmetric = q.get("group_size"), q.get("symmetric", True)
-    # ORT stores packed codes as torchao does (MatMulNBits: codes + scales + zero points)
-    backend = "torchao" if str(summary.get("backend", "")).startswith(("torchao", "onnxruntime")) else "simulated"
+    kind = str(summary.get("backend", ""))  # "onnxruntime+float": some layers exported as fp32 MatMuls
+    backend = next((b for b in ("onnxruntime", "torchao") if kind.startswith(b)), "simulated")
     return estimate_memory(model_config, bits=bits, group_size=group_size, seq_len=seq_len, batch=batch,
                            dtype=summary.get("export_dtype", cfg.dtype), symmetric=symmetric, backend=backend,
                            device=device, overhead_mib=overhead_mib)
