@@ -1,5 +1,6 @@
 """Out-of-domain evaluation: the pystdlib code domain, `[eval] datasets` (several domains in one pass), mixed-domain
 calibration, per-run calibration, per-domain paired findings ({a vs b@domain}) and old single-domain results."""
+import hashlib
 import dataclasses
 import json
 import shutil
@@ -63,7 +64,10 @@ def test_pystdlib_calibration_part_holds_no_test_file(small_stdlib):
     text, _ = load_text("pystdlib", "validation")  # the calibration text is the calibration part, joined
     assert text == "\n\n".join((small_stdlib / f).read_text() for f in calib)
     assert all((small_stdlib / f).read_text() not in text for f in test)
-    assert [pystdlib.split_of(f) for f in files] == [pystdlib.split_of(f) for f in files]  # the path decides
+    # the relative path alone decides, by the documented rule (sha256 of the path, one in CALIBRATION_EVERY)
+    reference = {f: "validation" if int(hashlib.sha256(f.encode()).hexdigest()[:8], 16)
+                 % pystdlib.CALIBRATION_EVERY == 0 else "test" for f in files}
+    assert {f: pystdlib.split_of(f) for f in files} == reference
     with pytest.raises(ValueError, match="never calibrate on the evaluation split"):
         CalibrationProtocol(datasets=("wikitext2", "pystdlib"), split="test")
 
@@ -83,6 +87,19 @@ def test_bad_domain_names_fail_naming_the_known_ones(tiny_model_dir):
         _experiment(tiny_model_dir, eval={"datasets": ["wikitext2", "pystdlib"]}, findings="{rtn vs fp32@pystdlb}")
     with pytest.raises(ValueError, match="applies to runs that calibrate or train; rtn"):
         _experiment(tiny_model_dir, run=[{**RUNS[1], "calibration": {"num_samples": 8}}])
+
+
+def test_the_parts_follow_the_paths_not_the_folder_or_the_contents(small_stdlib, tmp_path, monkeypatch):
+    """The same relative paths under another root, every file's text changed, split exactly as before."""
+    files = pystdlib.all_files()
+    other = tmp_path / "other-stdlib"
+    for f in files:
+        (other / f).parent.mkdir(parents=True, exist_ok=True)
+        (other / f).write_text(f"# changed {f}\n" + (small_stdlib / f).read_text()[::-1])
+    before = {s: pystdlib.pystdlib_files(s) for s in ("test", "validation")}
+    monkeypatch.setattr(pystdlib, "stdlib_root", lambda: other)
+    assert {s: pystdlib.pystdlib_files(s) for s in ("test", "validation")} == before
+    assert before["test"] and before["validation"]
 
 
 def test_split_counts():

@@ -3,9 +3,15 @@ rows and resume only what is missing, a killed worker is retried with its row wr
 fail clearly. Ray and its workers start in ~10 s, so these are marked slow."""
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
+import logging
 import os
+import socket
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -138,3 +144,91 @@ def test_a_four_run_smollm2_grid_on_ray_equals_the_local_run(ray_local, wikitext
     ray_rows = read_rows(tmp_path / "ray/smol_grid.results.jsonl")
     assert len(ray_rows) == 5 and _metrics(ray_rows) == _metrics(local)
     assert {r["run"] for r in ray_rows} >= {"rtn-w3-g64", "rtn-w4-g128"}
+
+
+@pytest.mark.slow
+def test_a_plugin_method_beside_the_experiment_file_runs_on_ray_workers(ray_local, tiny_model_dir, tmp_path):
+    """The workers unpickle the run's config of an outside method: its folder reaches them (runtime_env PYTHONPATH),
+    and its row equals the local executor's."""
+    from quantlab.runs.experiment import load_experiment
+
+    (tmp_path / "plug_ray_half.py").write_text(
+        "from dataclasses import dataclass\nimport quantlab\nfrom quantlab.methods.rtn import RTN\n\n"
+        "@dataclass(frozen=True)\nclass C(quantlab.RTNConfig):\n    pass\n\n"
+        "@quantlab.register_method\nclass M(RTN):\n    name = 'plug_ray_half'\n    config_cls = C\n")
+    (tmp_path / "exp.toml").write_text(
+        f'name = "plugged"\nmodel = "{tiny_model_dir}"\ndevice = "cpu"\nplugins = ["plug_ray_half"]\n'
+        f'[eval]\ndataset = "{tiny_model_dir / "sample.txt"}"\nseq_len = 32\nmax_windows = 2\nlatency = false\n'
+        '[[run]]\nname = "outside"\nmethod = "plug_ray_half"\nbits = 4\ngroup_size = 16\n')
+    exp = load_experiment(tmp_path / "exp.toml")
+    run_experiment(exp, tmp_path / "local", progress=False)
+    run_experiment(exp, tmp_path / "ray", progress=False, executor="ray")
+    local, ray_rows = (read_rows(tmp_path / d / "plugged.results.jsonl") for d in ("local", "ray"))
+    assert [r["method"] for r in ray_rows] == ["plug_ray_half"] and _metrics(ray_rows) == _metrics(local)
+
+
+class _QuietHTTPHandler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):  # it answers Ray's probe with an HTTP error: keep that out of the test output
+        pass
+
+
+@contextlib.contextmanager
+def _listener(kind: str):
+    """host:port where nothing listens ("closed": bound, not listening, so refused), an HTTP server answers
+    ("http"), or a TCP listener accepts and never replies ("silent")."""
+    if kind == "http":
+        server = http.server.HTTPServer(("127.0.0.1", 0), _QuietHTTPHandler)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield f"127.0.0.1:{server.server_address[1]}"
+        finally:
+            server.shutdown()
+            server.server_close()
+        return
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    if kind == "silent":
+        sock.listen()
+    try:
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("kind", ["closed", "http", "silent"])
+def test_an_address_where_nothing_ray_answers_fails_fast_naming_it(kind):
+    from quantlab.runs import ray_executor
+
+    with _listener(kind) as address:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match=rf"at '{address}' .*nothing Ray answers there"):
+            ray_executor.check_reachable(address, timeout_s=1)
+        assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("kind", ["closed", "http"])
+def test_cli_address_where_nothing_ray_answers_is_one_line_before_ray_loads(kind, tiny_model_dir, tmp_path, capsys,
+                                                                           monkeypatch):
+    from quantlab.cli import main
+    from quantlab.runs import ray_executor
+
+    def no_ray():
+        raise AssertionError("Ray must not even load for an address nothing Ray answers at")
+
+    monkeypatch.setattr(ray_executor, "import_ray", no_ray)
+    exp_file = tmp_path / "x.toml"
+    exp_file.write_text(f'name = "x"\nmodel = "{tiny_model_dir}"\n[[run]]\nname = "fp32"\nmethod = "none"\n')
+    logger = logging.getLogger("quantlab")
+    level = logger.level
+    try:
+        with _listener(kind) as address:
+            argv = ["run", str(exp_file), "--executor", "ray", "--address", address,
+                    "--reports-dir", str(tmp_path / "reports")]
+            assert main(argv) == 1
+    finally:
+        logger.setLevel(level)
+    err = capsys.readouterr().err
+    assert err.startswith("quantlab: error: ") and err.count("\n") == 1, err
+    assert f"'{address}'" in err and "nothing Ray answers there" in err and "Traceback" not in err
+    assert not (tmp_path / "reports").exists()  # nothing written

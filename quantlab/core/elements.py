@@ -27,6 +27,21 @@ class Element:
     mbits: int = 0
     nan_code: bool = False  # E4M3fn: S.1111.111 is NaN (the only non-finite code)
     ieee: bool = False  # E5M2: the top exponent is inf / NaN
+    levels: tuple[float, ...] | None = None  # kind "nf": the 2^bits ascending levels in [-1, 1] (None: NF4's)
+
+    def __post_init__(self):
+        if self.kind not in ("fp", "nf", "int"):
+            raise ValueError(f"element {self.name!r}: kind {self.kind!r} unknown; known: fp, nf, int")
+        if self.levels is None:
+            return
+        levels = tuple(float(v) for v in self.levels)
+        if self.kind != "nf" or len(levels) != 2 ** self.bits:
+            raise ValueError(f"element {self.name!r}: levels are a lookup table of kind 'nf' with 2^bits = "
+                             f"{2 ** self.bits} values, got kind {self.kind!r} with {len(levels)}")
+        if any(b <= a for a, b in zip(levels, levels[1:])) or levels[0] < -1 or levels[-1] != 1.0:
+            raise ValueError(f"element {self.name!r}: levels must ascend strictly within [-1, 1] and end at 1.0 "
+                             f"(absmax scaling maps a group's largest |w| there), got {levels}")
+        object.__setattr__(self, "levels", levels)
 
     @property
     def bias(self) -> int:
@@ -78,7 +93,7 @@ def _values_list(e: Element) -> tuple[float, ...]:
     if e.kind == "fp":
         return tuple(_minifloat_value(e, c) for c in range(2**e.bits))
     if e.kind == "nf":
-        return NF4_LEVELS
+        return e.levels or NF4_LEVELS
     return tuple((c - 256 if c >= 128 else c) / 64 for c in range(256))  # int8: code c is two's complement
 
 

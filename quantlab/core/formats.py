@@ -88,6 +88,29 @@ E4M3_MAX = 448.0
 E4M3_TINY = torch.finfo(torch.float8_e4m3fn).tiny  # 2^-6, the smallest normal E4M3 (torchao's E4M3_EPS)
 
 
+SCALE_RULES = ("float", "e8m0", "nvfp4")
+
+
+def register_format(fmt: Format) -> Format:
+    """Make a number format usable by name wherever a format goes (`format = "..."` on rtn, gptq, ..., overrides).
+
+    Its element may be a lookup table (kind "nf" with its own 2^bits levels) or a minifloat (kind "fp"), with one of
+    the scale rules above. Returns fmt, so a plugin can keep it:
+
+    >>> SF4 = register_format(Format("sf4", Element("sf4", 4, "nf", levels=STUDENT_T_LEVELS), "float", 64))
+    """
+    if not isinstance(fmt, Format):
+        raise TypeError(f"register_format takes a quantlab.core.formats.Format, got {type(fmt).__name__}")
+    if fmt.name == "int" or fmt.name in FORMATS:
+        raise ValueError(f"format {fmt.name!r} is already registered; taken: int, {', '.join(FORMATS)}")
+    if fmt.scale not in SCALE_RULES:
+        raise ValueError(f"format {fmt.name!r}: scale rule {fmt.scale!r} unknown; known: {', '.join(SCALE_RULES)}")
+    if not 2 <= fmt.element.bits <= 8:
+        raise ValueError(f"format {fmt.name!r}: {fmt.element.bits}-bit elements; codes are stored in 2..8 bits")
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
 def get_format(name: str) -> Format:
     if name not in FORMATS:
         raise ValueError(f"unknown format {name!r}; known: int, {', '.join(FORMATS)}")

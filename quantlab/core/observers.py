@@ -307,6 +307,27 @@ OBSERVERS: dict[str, Callable[..., Observer]] = {
 }
 
 
+RANGE_OBSERVERS = ["minmax", "moving_average", "percentile", "mse"]  # observers with range(): what `static` names
+
+
+def register_observer(name: str, factory: Callable[..., Observer], ranges: bool = True) -> Callable[..., Observer]:
+    """Make an observer available by name. ranges=True: it has range() -> (lo, hi), so `static` can name it
+    (observer = "..."); static calls factory(per_channel=..., where=module_name, bits=..., symmetric=...).
+
+    >>> register_observer("absmax99", lambda per_channel, where, bits, symmetric: MyObserver(per_channel))
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"observer name must be a non-empty string, got {name!r}")
+    if name in OBSERVERS:
+        raise ValueError(f"observer {name!r} is already registered; taken: {', '.join(sorted(OBSERVERS))}")
+    if not callable(factory):
+        raise TypeError(f"observer {name!r}: factory must be callable, got {type(factory).__name__}")
+    OBSERVERS[name] = factory
+    if ranges:
+        RANGE_OBSERVERS.append(name)
+    return factory
+
+
 def make_observer(name: str, **kwargs) -> Observer:
     if name not in OBSERVERS:
         raise ValueError(f"unknown observer {name!r}; known: {', '.join(sorted(OBSERVERS))}")

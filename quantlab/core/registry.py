@@ -88,8 +88,9 @@ class Method:
         """What it quantizes, for the report's scheme column: "w4 g64 asym", "w8 channel sym + a8 dynamic", ...
         Methods built on a base add their part to the base's text (QAT: " + QAT LSQ")."""
         own = getattr(config, "weight_spec", None)
-        if isinstance(own, WeightSpec):
-            return describe_weights(own, len(getattr(config, "overrides", ()) or ()))
+        if isinstance(own, WeightSpec):  # per-layer overrides (core/overrides.py): the base grid is not the whole story
+            n = len(getattr(config, "overrides", ()) or ())
+            return own.describe() + (f" + {n} overrides" if n else "")
         base = getattr(config, "base", None)
         return get_method(base).describe(base, dtype) if base is not None else dtype
 
@@ -244,39 +245,6 @@ def config_to_dict(config: Any) -> dict[str, Any]:
             v = config_to_dict(v)
         d[f.name] = v
     return d
-
-
-def describe_weights(spec: WeightSpec, n_overrides: int = 0) -> str:
-    """A weight grid in the scheme column's words: "w4 g64 asym", "w8 channel sym", "nf4+dq g64"."""
-    g = "channel" if spec.group_size is None else f"g{spec.group_size}"
-    text = f"w{spec.bits} {g} {'sym' if spec.symmetric else 'asym'}"
-    if spec.format != "int":  # a number format (core/formats.py) names itself
-        text = f"{spec.format}{'+dq' if spec.double_quant else ''} {g}"
-    if n_overrides:  # per-layer grids (core/overrides.py): the base grid is not the whole story
-        text += f" + {n_overrides} overrides"
-    return text
-
-
-GRID_FIELDS = ("bits", "group_size", "symmetric", "format", "act_bits")  # result-row columns, from grid_fields()
-DTYPE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16}
-
-
-def grid_fields(config: Any, dtype: str = "float32") -> dict:
-    """The grid a run's weights (and activations) end on, as result-row columns: bits, group_size (None: per
-    output channel), symmetric, format, act_bits (None: float activations). From the effective weight grid, a
-    `base` included, so an AWQ or W8A8 row says its bits too; weights left float say the dtype's bits and name.
-
-    >>> grid_fields(make_config({"method": "awq", "base": {"method": "rtn", "bits": 4, "group_size": 64}}))
-    {'bits': 4, 'group_size': 64, 'symmetric': True, 'format': 'int', 'act_bits': None}
-    """
-    method = get_method(config)
-    spec = method.weight_spec_for(config)
-    if spec is None:
-        weights = {"bits": DTYPE_BITS.get(dtype), "group_size": None, "symmetric": None, "format": dtype}
-    else:
-        weights = {"bits": spec.bits, "group_size": spec.group_size, "symmetric": spec.symmetric,
-                   "format": spec.format}
-    return weights | {"act_bits": method.act_bits_for(config)}
 
 
 def is_baseline(name: str) -> bool:

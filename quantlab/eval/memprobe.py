@@ -33,11 +33,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..util.plugins import load_plugins, loaded_plugins
+
 log = logging.getLogger(__name__)
 
 MIB = 2**20
 SPEC_KEYS = {"model", "quantized_dir", "onnx_dir", "dtype", "backend", "batch", "prefill_tokens", "decode_tokens",
-             "threads", "device", "allocate_mib", "seed", "allocator", "cache_dir"}
+             "threads", "device", "allocate_mib", "seed", "allocator", "cache_dir", "plugins"}
 ALLOCATORS = {"fixed-mmap": {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}, "default": {}}
 
 
@@ -88,6 +90,8 @@ def _load(spec: dict):
     from ..util.checks import resolve_dtype
 
     device = spec.get("device", "cpu")
+    for name, folder in spec.get("plugins", []):
+        load_plugins([name], folder, where="memprobe")
     if spec.get("onnx_dir"):  # an ONNX Runtime session of an exported model (backends/ort.py)
         from ..backends.ort import load_ort
 
@@ -216,6 +220,8 @@ def isolated_run_memory(
     from ..backends.serialize import save_quantized
 
     spec = {"prefill_tokens": seq_len, "decode_tokens": 0, "batch": 1, "backend": backend, "device": str(device)}
+    if loaded_plugins():  # the child rebuilds the config from quant_config.json: outside methods must register
+        spec["plugins"] = loaded_plugins()
     if threads is not None:
         spec["threads"] = threads
     try:

@@ -20,12 +20,11 @@ from torch import nn
 
 from ..core.activations import STATIC_FORMATS, StaticActQuant, check_act_bits, check_act_format
 from ..core.lifecycle import quant_linears, run_calibration
-from ..core.observers import Observer, attach_input_observers, make_observer
+from ..core.observers import RANGE_OBSERVERS, Observer, attach_input_observers, make_observer
 from ..core.registry import Method, as_weight_base, get_method, needs_calibration, register_method
 from ..util.checks import check_choice
 from .rtn import RTNConfig
 
-ACT_OBSERVERS = ("minmax", "moving_average", "percentile", "mse")
 ACT_GRANULARITIES = ("tensor", "channel")
 
 
@@ -50,9 +49,9 @@ class StaticConfig:
                                                                   "act_format", STATIC_FORMATS))
             if self.observer == "mse":
                 raise ValueError(f"static: observer 'mse' searches integer grids; act_format {self.act_format!r} "
-                                 f"takes {', '.join(o for o in ACT_OBSERVERS if o != 'mse')}")
+                                 f"takes {', '.join(o for o in RANGE_OBSERVERS if o != 'mse')}")
         check_choice("act_granularity", self.act_granularity, ACT_GRANULARITIES)
-        check_choice("observer", self.observer, ACT_OBSERVERS)
+        check_choice("observer", self.observer, RANGE_OBSERVERS)
         p = self.percentile
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 50 < p <= 100:
             raise ValueError(f"percentile must be a number in (50, 100], got {p!r}")
@@ -67,7 +66,7 @@ def observer_factory(config: StaticConfig) -> Callable[[str], Observer]:
         "moving_average": {},
         "percentile": {"percentile": config.percentile},
         "mse": {"bits": config.act_bits, "symmetric": config.act_symmetric},
-    }[config.observer]
+    }.get(config.observer, {"bits": config.act_bits, "symmetric": config.act_symmetric})  # registered ones: all
 
     def make(name: str) -> Observer:
         where = {} if config.observer == "minmax" else {"where": name}  # MinMaxObserver takes no `where`

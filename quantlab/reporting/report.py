@@ -12,10 +12,12 @@ from pathlib import Path
 import pandas as pd
 
 from ..core.extras import describe_extras, known_extras
-from ..core.registry import GRID_FIELDS, get_method, grid_fields, is_baseline, make_config
+from ..core.grid import GRID_FIELDS, grid_fields
+from ..core.registry import get_method, is_baseline, make_config
 from . import domains, stats
 from . import findings as findings_mod
 from . import lmeval as lmeval_section
+from .results import refuse_links
 from .sections import LATENCY_REF, backend_text, environment_text, intervals_text, protocol_text
 
 # (column, header, format) shown in the Markdown table; the CSV keeps every column.
@@ -81,7 +83,7 @@ def scheme(cfg: dict, dtype: str) -> str:
 
 def add_grid_columns(df: pd.DataFrame) -> pd.DataFrame:
     """bits, group_size, symmetric, format, act_bits of every row from its stored config (the effective grid, a
-    base included: core.registry.grid_fields), as nullable integers / booleans, right after `scheme`. Rows whose
+    base included: core.grid.grid_fields), as nullable integers / booleans, right after `scheme`. Rows whose
     config no longer builds keep what they stored."""
     if "config" not in df:
         return df
@@ -274,6 +276,12 @@ def plots_text(name: str, summary: pd.DataFrame, reports_dir: Path) -> str:
     return "\n\n".join(lines)
 
 
+def report_paths(name: str, reports_dir: Path) -> list[Path]:
+    """Every file write_report may write for report `name`."""
+    plots = [reports_dir / f"{name}.{slug}.{ext}" for slug, _, _ in PLOTS for ext in ("png", "csv")]
+    return [reports_dir / f"{name}.{ext}" for ext in ("csv", "md", "experiment.json")] + plots
+
+
 def write_sidecar(name: str, rows: list[dict], reports_dir: Path, description: str, findings: str = "") -> None:
     """<name>.experiment.json: what the report needs beyond the rows (name, description, findings template,
     which rows, in order). An empty `findings` is left out, so sidecars of experiments without one stay as they were."""
@@ -321,6 +329,8 @@ def write_report(name: str, rows: list[dict], reports_dir: str | Path, descripti
     formats = {c: f for c, _, f in columns}
     quoted = quoted_rows(findings, [reports_dir] if quote_dirs is None else quote_dirs)
     findings_text = findings_mod.findings_section(findings, df, summary, formats, quoted)  # raises before writing
+    for path in report_paths(name, reports_dir):  # never written through a link planted in the reports folder
+        refuse_links(path, "report file")
     reports_dir.mkdir(parents=True, exist_ok=True)
     df.to_csv(reports_dir / f"{name}.csv", index=False)
     legend = "**Bold**: the best value of a column among the quantized runs (the baseline excluded)."

@@ -23,8 +23,9 @@ import torch
 
 from ..backends import export_for_run
 from ..core.extras import AFTER_EXPORT, BEFORE_QUANTIZE, extras_to_dict
+from ..core.grid import grid_fields
 from ..core.lifecycle import quantize
-from ..core.registry import get_method, grid_fields, method_versions, non_default_fields
+from ..core.registry import get_method, method_versions, non_default_fields
 from ..eval import measure_latency, peak_memory_mib, perplexity, reset_peak_memory, weight_stats
 from ..eval.embedding import embedding_fidelity, layer_output_errors, mean_pooled_embeddings, sentences_from_text
 from ..eval.lmeval import check_tasks, run_lm_eval

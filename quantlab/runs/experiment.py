@@ -16,6 +16,7 @@ Everything is parsed and validated here, before any model loads ([eval], [calibr
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import tomllib
 from dataclasses import dataclass, field
@@ -27,8 +28,9 @@ from ..core.registry import config_to_dict, get_method, make_config
 from ..models.data import domain_label
 from ..reporting.findings import check_domains, check_runs
 from ..util.checks import check_dtype, check_name, utf8_error
+from ..util.plugins import check_plugin_names, load_installed_plugins, load_plugins
 from .protocols import CalibrationProtocol, EvalProtocol, ExecutionConfig, check_keys  # noqa: F401 (re-exported)
-from .sweep import expand_sweep
+from .sweep import expand_sweep, first_run
 
 
 @dataclass(frozen=True)
@@ -81,14 +83,16 @@ class Experiment:
     eval: EvalProtocol = field(default_factory=EvalProtocol)
     calibration: CalibrationProtocol = field(default_factory=CalibrationProtocol)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    # modules imported before the runs are validated (util/plugins.py): outside methods, formats, observers, extras
+    plugins: tuple[str, ...] = ()
 
     def __post_init__(self):
         check_name("experiment name", self.name)  # reports/<name>.csv, .md, .results.jsonl
         check_dtype("dtype", self.dtype)
         if not self.runs:
             raise ValueError(f"experiment {self.name!r} has no [[run]] entries")
-        names = [r.name for r in self.runs]
-        dupes = sorted({n for n in names if names.count(n) > 1})
+        counts = collections.Counter(r.name for r in self.runs)
+        dupes = sorted(n for n, c in counts.items() if c > 1)
         if dupes:
             raise ValueError(f"experiment {self.name!r}: duplicate run name(s) {', '.join(dupes)}")
         if not isinstance(self.findings, str):
@@ -186,9 +190,17 @@ def _parse_run(i: int, table: dict, where: str, calib_table: dict | None = None)
         raise ValueError(f"{where}: run {name!r}: {msg}") from None
 
 
-def parse_experiment(data: dict, where: str = "experiment", default_name: str = "experiment") -> Experiment:
-    """Validate a parsed TOML dict into an Experiment (all run configs built)."""
+def parse_experiment(data: dict, where: str = "experiment", default_name: str = "experiment",
+                     plugin_dir: str | Path | None = None) -> Experiment:
+    """Validate a parsed TOML dict into an Experiment (all run configs built).
+
+    Plugins load first: the installed ones (entry-point group `quantlab.plugins`) and the file's `plugins` list,
+    searched first in `plugin_dir` (load_experiment passes the file's folder), so runs may name what they register.
+    """
     data = dict(data)
+    plugins = check_plugin_names(data.pop("plugins"), where) if "plugins" in data else ()
+    load_installed_plugins()
+    load_plugins(plugins, plugin_dir, where)
     if "runs" in data:
         raise ValueError(f"{where}: write runs as [[run]] tables, not 'runs'")
     if not isinstance(data.get("sweep", []), list) or not all(isinstance(t, dict) for t in data.get("sweep", [])):
@@ -208,23 +220,26 @@ def parse_experiment(data: dict, where: str = "experiment", default_name: str = 
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     tables = list(data.pop("run", []))
-    for i, sweep in enumerate(data.pop("sweep", [])):
-        expanded = expand_sweep(sweep, f"{where}: [[sweep]] #{i + 1}")
-        for j, table in enumerate(expanded):  # errors name the sweep, not only the derived run name
-            _parse_run(j, {k: v for k, v in table.items() if k != "seeds"}, f"{where}: [[sweep]] #{i + 1}",
-                       calib_table)
+    runs = list(_parse_runs(tables, exp_seeds, where, calib_table))
+    sweeps = [(sweep, f"{where}: [[sweep]] #{i + 1}") for i, sweep in enumerate(data.pop("sweep", []))]
+    for sweep, sweep_where in sweeps:  # what all of a sweep's runs share fails before any grid expands
+        _parse_runs([first_run(sweep, sweep_where)], exp_seeds, sweep_where, calib_table)
+    for sweep, sweep_where in sweeps:  # errors name the sweep, not only the derived run name
+        expanded = expand_sweep(sweep, sweep_where)
+        runs += _parse_runs(expanded, exp_seeds, sweep_where, calib_table)
         tables += expanded
-    runs = _parse_runs(tables, exp_seeds, where, calib_table)
-    names = [t.get("name") for t in tables]
-    dupes = sorted({n for n in names if names.count(n) > 1 and n is not None})
+    runs = tuple(runs)
+    counts = collections.Counter(t.get("name") for t in tables)
+    dupes = sorted(n for n, c in counts.items() if c > 1 and n is not None)
     if dupes:
         raise ValueError(f"{where}: duplicate run name(s) {', '.join(dupes)} (a [[sweep]] names its runs by their "
                          f"values: rename the [[run]] or give the sweep a 'name')")
-    exp = Experiment(
-        name=name, runs=runs,
-        eval=EvalProtocol(**eval_table), calibration=CalibrationProtocol(**calib_table), seeds=exp_seeds,
-        execution=ExecutionConfig(**exec_table), **data,
-    )
+    try:  # the protocols' own checks (sizes, names, choices) name the file too
+        protocols = {"eval": EvalProtocol(**eval_table), "calibration": CalibrationProtocol(**calib_table),
+                     "execution": ExecutionConfig(**exec_table)}
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: {e.args[0] if e.args else e}") from None
+    exp = Experiment(name=name, runs=runs, seeds=exp_seeds, plugins=plugins, **protocols, **data)
     if exp.execution.qat_processes > 1 and not any(get_method(r.config).needs_training_for(r.config) for r in runs):
         raise ValueError(f"{where}: [execution] qat_processes = {exp.execution.qat_processes} applies to runs that "
                          f"train (qat), and no run here trains")
@@ -242,10 +257,14 @@ def load_experiment(path: str | Path) -> Experiment:
         raise FileNotFoundError(f"experiment file {str(path)!r} does not exist")
     try:
         text = path.read_bytes().decode("utf-8")  # as tomllib.load decodes (no newline translation)
+        text = text.removeprefix("\ufeff")  # a byte-order mark ("UTF-8 with BOM" editors): tomllib rejects it
     except UnicodeDecodeError as e:
         raise utf8_error(path, e) from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: invalid TOML: {e}") from None
-    return parse_experiment(data, where=str(path), default_name=path.stem)
+    except RecursionError:  # tomllib recurses once per nested array / inline table
+        raise ValueError(f"{path}: invalid TOML: arrays or inline tables nest too deeply "
+                         f"(Python's recursion limit); an experiment nests a few levels at most") from None
+    return parse_experiment(data, where=str(path), default_name=path.stem, plugin_dir=path.parent)
