@@ -117,6 +117,60 @@ def test_names_that_would_escape_the_reports_dir_fail_before_loading(exp_file, t
     assert "run name (--prefix '../') '../3b' contains '/'" in capsys.readouterr().err
 
 
+def test_a_name_too_long_for_a_file_name_fails_in_validation(exp_file, tmp_path, capsys, monkeypatch):
+    from quantlab.runs import runner
+
+    monkeypatch.setattr(runner, "EvalContext", None)  # nothing may load
+    text = exp_file.read_text()
+    exp_file.write_text(text.replace('name = "tiny_cli"', f'name = "{"x" * 240}"'))
+    assert main(["run", str(exp_file), "--dry-run", "--reports-dir", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{exp_file}: experiment name 'xxxx" in err, err
+    assert "is 240 UTF-8 bytes long; it must be" in err and "at most 200 UTF-8 bytes" in err
+    exp_file.write_text(text.replace('name = "tiny_cli"', f'name = "{"x" * 198}"'))  # fits, but not with _full
+    assert main(["run", str(exp_file), "--full", "--dry-run", "--reports-dir", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--full" in err and "203 UTF-8 bytes" in err and "at most 195" in err, err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_reports_dir_that_is_a_file_or_empty_fails_in_one_line(exp_file, tmp_path, capsys, monkeypatch, dry_run):
+    from quantlab.runs import runner
+
+    monkeypatch.setattr(runner, "EvalContext", None)  # nothing may load
+    monkeypatch.chdir(tmp_path)  # "" must not mean this folder
+    (tmp_path / "afile").write_text("keep\n")
+    extra = ["--dry-run"] if dry_run else []
+    assert main(["run", str(exp_file), "--reports-dir", str(tmp_path / "afile"), *extra]) == 1
+    err = capsys.readouterr().err
+    assert err == f"quantlab: error: --reports-dir {str(tmp_path / 'afile')!r} is a file, not a folder\n", err
+    assert main(["run", str(exp_file), "--reports-dir", str(tmp_path / "afile" / "sub"), *extra]) == 1
+    assert f"{str(tmp_path / 'afile')!r} is a file, not a folder" in capsys.readouterr().err
+    assert main(["run", str(exp_file), "--reports-dir", "", *extra]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("quantlab: error: --reports-dir is empty;") and err.count("\n") == 1, err
+    assert (tmp_path / "afile").read_text() == "keep\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "afile", "tiny.toml"]
+
+
+def test_symlinks_at_the_lock_or_results_path_fail_in_one_line(exp_file, tmp_path, capsys, monkeypatch):
+    from quantlab.runs import runner
+
+    monkeypatch.setattr(runner, "EvalContext", None)  # refused before anything loads
+    reports, outside = tmp_path / "reports", tmp_path / "outside.txt"
+    reports.mkdir()
+    outside.write_text("precious\n")
+    for name in ("tiny_cli.results.jsonl.lock", "tiny_cli.results.jsonl"):
+        (reports / name).symlink_to(outside)
+        assert main(["-q", "run", str(exp_file), "--reports-dir", str(reports)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("quantlab: error: ") and f"{reports / name} is a symlink" in err, err
+        assert err.count("\n") == 1 and outside.read_text() == "precious\n"
+        (reports / name).unlink()
+    assert sorted(p.name for p in reports.iterdir()) == []
+
+
 def test_non_utf8_files_fail_naming_the_file(exp_file, tmp_path, capsys):
     latin1 = "unit,candidate\nlayer,Gr\u00fc\u00dfe\n".encode("latin-1")
     (tmp_path / "sens.csv").write_bytes(latin1)

@@ -62,10 +62,49 @@ def test_quickstart_file_validates():
     ({"model": "m", "run": [{"name": "ok", "method": "none"}, {"name": "..", "method": "none"}]},
      r"\[\[run\]\] #2: run name '\.\.' starts with '\.'"),
     ({"model": "m", "run": [{"name": "w\n4", "method": "none"}]}, r"run name 'w\\n4' contains a control character"),
+    # file systems cap a file name at 255 bytes: <name>.results.jsonl.lock, <name>_full.<plot>.png must fit
+    ({"name": "x" * 240, "model": "m", "run": [{"name": "a", "method": "none"}]},
+     r"experiment name 'x{40}'\.\.\. is 240 UTF-8 bytes long; it must be .* of at most 200 UTF-8 bytes"),
+    ({"model": "m", "run": [{"name": "\u00e9" * 101, "method": "none"}]},
+     r"\[\[run\]\] #1: run name '\u00e9{40}'\.\.\. is 202 UTF-8 bytes long"),
+    # bidi controls make a file name display as something else ("report\u202egpj.exe" shows as "reportexe.jpg")
+    ({"name": "report\u202egpj.exe", "model": "m", "run": [{"name": "a", "method": "none"}]},
+     r"experiment name .* contains the bidirectional control character U\+202E; it must be"),
+    ({"model": "m", "run": [{"name": "w4\u2066x", "method": "none"}]}, r"run name .* control character U\+2066"),
 ])
 def test_bad_experiment_files_fail_before_loading(data, match):
     with pytest.raises(ValueError, match=match):
         parse_experiment(data)
+
+
+@pytest.mark.parametrize("table,field,value,valid", [
+    ("calibration", "num_samples", 1_000_000_000, "1..100000"),
+    ("calibration", "seq_len", 1 << 30, "1..1048576"),
+    ("eval", "seq_len", 1 << 30, "1..1048576"),
+    ("eval", "max_windows", 10**12, "1..1000000"),
+    ("eval", "max_tokens", 10**15, "1..1000000000"),
+    ("eval", "num_sentences", 10**9, "1..1000000"),
+    ("eval", "max_length", 1 << 30, "1..1048576"),
+    ("eval", "prefill_tokens", 1 << 30, "1..1048576"),
+    ("eval", "decode_tokens", 1 << 30, "1..1048576"),
+    ("eval", "latency_repeats", 10**9, "1..10000"),
+    ("eval", "kl_windows", 10**9, "0..100000"),
+    ("eval", "lm_eval_limit", 10**9, "1..1000000"),
+    ("eval", "lm_eval_max_length", 1 << 30, "2..1048576"),
+    ("eval", "lm_eval_batch_size", 10**6, "1..4096"),
+    ("execution", "qat_processes", 10**6, "1..1024"),
+])
+def test_sizes_that_allocate_are_bounded_before_anything_loads(table, field, value, valid):
+    # num_samples = 1000000000 used to pass, then fail as an allocation error naming no field once the model loaded
+    data = {"model": "m", table: {field: value}, "run": [{"name": "a", "method": "qat"}]}  # qat: qat_processes > 1
+    with pytest.raises(ValueError, match=rf"{table}\.{field} must be an integer in {valid}(?: or omitted)?, "
+                                         rf"got {value}$"):
+        parse_experiment(data)
+    data[table][field] = int(valid.split("..")[1])  # the limit itself passes
+    parse_experiment(data)
+    run_calibration = {"model": "m", "run": [{"name": "a", "method": "gptq", "calibration": {"num_samples": 10**9}}]}
+    with pytest.raises(ValueError, match=r"run 'a': calibration.num_samples must be an integer in 1..100000"):
+        parse_experiment(run_calibration)
 
 
 def test_names_are_checked_on_direct_construction_too():
@@ -77,6 +116,16 @@ def test_names_are_checked_on_direct_construction_too():
         Experiment("../x", "m", (RunSpec("a", make_config({"method": "none"})),))
     ok = parse_experiment({"name": "a..b_c-1.2", "model": "m", "run": [{"name": "w4 g64 (sym)", "method": "none"}]})
     assert ok.name == "a..b_c-1.2"  # dots inside a name and spaces are fine
+    longest = "\u00e9" * 100  # 200 UTF-8 bytes: the limit itself passes
+    exp = parse_experiment({"name": longest, "model": "m", "run": [{"name": longest, "method": "none"}]})
+    assert exp.name == longest and exp.runs[0].name == longest
+
+
+def test_experiment_file_with_a_utf8_bom_loads(tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + b'name = "bom"\nmodel = "m"\n[[run]]\nname = "a"\nmethod = "none"\n')
+    exp = load_experiment(path)  # as Windows Notepad saves "UTF-8 with BOM"
+    assert exp.name == "bom" and [r.name for r in exp.runs] == ["a"]
 
 
 def test_qat_base_under_dynamic_fails_when_the_file_loads(tmp_path):
@@ -105,6 +154,74 @@ def test_invalid_toml_names_the_file(tmp_path):
     bad.write_text("model = \n")
     with pytest.raises(ValueError, match="bad.toml: invalid TOML"):
         load_experiment(bad)
+
+
+@pytest.mark.parametrize("nested", ["[" * 100_000, "{a = " * 100_000], ids=["arrays", "inline-tables"])
+def test_a_toml_nested_too_deeply_names_the_file_and_the_cause(tmp_path, capsys, nested):
+    deep = tmp_path / "deep.toml"
+    deep.write_text(f"a = {nested}\n")
+    with pytest.raises(ValueError, match=r"deep\.toml: invalid TOML: arrays or inline tables nest too deeply"):
+        load_experiment(deep)
+    assert main(["run", str(deep), "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nest too deeply" in err and "Traceback" not in err
+
+
+def _config_only_model(tmp_path, model_type, **fields):
+    """A model folder holding a config.json alone (no weights): preflight must need nothing more."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, **{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                                 "num_attention_heads": 4, "max_position_embeddings": 4096,
+                                                 "vocab_size": 300, **fields})
+    config.save_pretrained(tmp_path / model_type)
+    return tmp_path / model_type
+
+
+@pytest.mark.parametrize("case", ["eval-seq-len", "calibration-seq-len", "run-calibration-seq-len",
+                                  "rotation-bert", "rotation-gemma3", "rotation-head-dim", "awq-gpt-neox"])
+def test_what_the_models_config_refuses_fails_before_its_weights_load(case, tiny_model_dir, tmp_path, monkeypatch):
+    """Checks that need the config alone run before load_model (and so before the fp32 row is evaluated)."""
+    from quantlab.runs import evaluate
+
+    monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: pytest.fail("the model's weights were loaded"))
+    fp32, gptq = {"name": "fp32", "method": "none"}, {"name": "gptq", "method": "gptq", "bits": 4}
+    rotated = {"name": "rot", "method": "rtn", "bits": 4, "rotation": {}}
+    model, runs, eval_table, match = tiny_model_dir, [fp32, rotated], {}, None
+    if case == "eval-seq-len":  # the tiny Llama has 256 positions
+        runs, eval_table = [fp32], {"seq_len": 512}
+        match = r"^eval\.seq_len = 512 exceeds the max positions of model '.*' \(256\); valid: 1\.\.256$"
+    elif case == "calibration-seq-len":
+        runs = [fp32, gptq]
+        match = r"^calibration\.seq_len = 512 exceeds the max positions of model '.*' \(256\); valid: 1\.\.256$"
+    elif case == "run-calibration-seq-len":
+        runs = [fp32, gptq | {"calibration": {"seq_len": 300}}]
+        match = r"^run 'gptq': calibration\.seq_len = 300 exceeds the max positions .*; valid: 1\.\.256$"
+    elif case == "rotation-bert":
+        model = _config_only_model(tmp_path, "bert")
+        match = r"^run 'rot' on model '.*bert': rotation: model_type 'bert' has no rotation facts .*supported: llama"
+    elif case == "rotation-gemma3":
+        model = _config_only_model(tmp_path, "gemma3_text")
+        match = r"run 'rot' .*: model_type 'gemma3_text' has no rotation facts \(Gemma-3's post-attention"
+    elif case == "rotation-head-dim":  # head_dim 18: no Hadamard of that order (transforms/hadamard.py)
+        model = _config_only_model(tmp_path, "llama", hidden_size=72, intermediate_size=144)
+        match = r"run 'rot' .*: rotation: head_dim = 18: no Hadamard construction for order 18"
+    else:
+        model, runs = _config_only_model(tmp_path, "gpt_neox"), [fp32, {"name": "awq", "method": "awq"}]
+        match = r"run 'awq' .*: awq: model_type 'gpt_neox' has no architecture entry; supported: .*llama"
+    exp = parse_experiment({"name": "pre", "model": str(model), "device": "cpu", "eval": {"seq_len": 32} | eval_table,
+                            "calibration": {"seq_len": 512} if case == "calibration-seq-len" else {}, "run": runs})
+    with pytest.raises(ValueError, match=match):
+        runner.run_experiment(exp, tmp_path / "reports", progress=False)
+    assert not (tmp_path / "reports" / "pre.results.jsonl").exists() or not (
+        tmp_path / "reports" / "pre.results.jsonl").read_text()  # no row: not even the fp32 one
+
+
+def test_preflight_loads_nothing_when_no_run_is_pending(monkeypatch):
+    from quantlab.runs import preflight
+
+    monkeypatch.setattr(preflight, "load_config", lambda *a, **k: pytest.fail("a config was loaded"))
+    preflight.preflight(parse_experiment({"model": "m", "run": [{"name": "a", "method": "none"}]}), [])
 
 
 def test_runner_writes_rows_resumes_and_reports(tiny_model_dir, tmp_path, monkeypatch):
@@ -162,6 +279,18 @@ def test_a_failing_run_keeps_finished_rows(tiny_model_dir, tmp_path, monkeypatch
     monkeypatch.setattr(runner, "evaluate_run", real)
     df = runner.run_experiment(exp, tmp_path, progress=False)  # the rerun only does w8, order is the file's
     assert list(df["run"]) == ["fp32", "w8", "w4g32"]
+
+
+def test_every_run_failing_names_the_failures_and_writes_no_report(tiny_model_dir, tmp_path, monkeypatch):
+    def crash(ctx, run):
+        raise RuntimeError(f"simulated crash of {run.name}")
+
+    monkeypatch.setattr(runner, "EvalContext", lambda *args: None)  # no model needed: every run fails
+    monkeypatch.setattr(runner, "evaluate_run", crash)
+    with pytest.raises(RuntimeError, match=r"^3 run\(s\) failed, no rows to report: fp32: simulated crash of fp32; "
+                                           r"w8: simulated crash of w8; w4g32: simulated crash of w4g32$"):
+        runner.run_experiment(_experiment(tiny_model_dir), tmp_path, progress=False)
+    assert not (tmp_path / "tiny.csv").exists() and not (tmp_path / "tiny.md").exists()
 
 
 def test_cli_run_list_and_errors(tiny_model_dir, tmp_path, capsys):

@@ -106,6 +106,19 @@ def test_regenerated_report_is_byte_identical(tiny_reports, tmp_path):
     assert "## Findings" in md and "{" not in md.split("## Findings")[1].split("![")[0]  # every placeholder filled
 
 
+@pytest.mark.parametrize("planted", ["tiny_report.md", "tiny_report.ppl_vs_weight_bytes.png", "tiny_report.csv"])
+def test_a_link_planted_at_a_report_file_is_refused_and_its_target_untouched(tiny_reports, tmp_path, capsys, planted):
+    """`quantlab report` writes nothing through a symlink in the output folder (it would write outside it)."""
+    out, outside = tmp_path / "again", tmp_path / "outside.txt"
+    out.mkdir()
+    outside.write_text("keep me")
+    (out / planted).symlink_to(outside)
+    assert main(["report", str(tiny_reports / "tiny_report.results.jsonl"), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"report file {out / planted} is a symlink" in err and err.count("\n") == 1
+    assert outside.read_text() == "keep me" and sorted(p.name for p in out.iterdir()) == [planted]
+
+
 def test_findings_section_from_the_rows(tiny_reports):
     """The section sits after the table, before the protocol, and says what the CSV's numbers say."""
     md = (tiny_reports / "tiny_report.md").read_text()

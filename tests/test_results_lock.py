@@ -3,6 +3,7 @@ a killed process is taken over, and the lock goes on success, error and Ctrl-C."
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from quantlab.reporting.results import ResultsLocked, results_lock
+from quantlab.reporting.results import ResultsLocked, append_row, results_lock
 
 HOLDER = """
 import sys, time
@@ -96,3 +97,44 @@ def test_lock_of_a_killed_process(tmp_path, caplog):
         with results_lock(results):
             pass
     assert f"left by PID {proc.pid}" in caplog.text and "(no longer running)" in caplog.text
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+def test_a_symlink_at_the_lock_path_is_refused_and_its_target_untouched(tmp_path, dangling):
+    reports, outside = tmp_path / "reports", tmp_path / "outside.txt"
+    reports.mkdir()
+    if not dangling:
+        outside.write_text("precious\n")
+    lock = reports / "exp.results.jsonl.lock"
+    lock.symlink_to(outside)
+    with pytest.raises(ValueError, match=rf"lock file {re.escape(str(lock))} is a symlink \(to .*outside\.txt\); "
+                                         r".*remove it"):
+        with results_lock(reports / "exp.results.jsonl"):
+            pass
+    assert (outside.read_text() == "precious\n") if not dangling else not outside.exists()  # never followed
+    assert lock.is_symlink() and sorted(p.name for p in reports.iterdir()) == [lock.name]  # left as it was
+
+
+@pytest.mark.parametrize("make,kind", [(os.mkdir, "a folder, not a regular file"), (os.mkfifo, "not a regular file")])
+def test_anything_but_a_regular_file_at_the_lock_path_is_refused(tmp_path, make, kind):
+    lock = tmp_path / "exp.results.jsonl.lock"
+    make(lock)  # a FIFO there made the lock hang for good
+    with pytest.raises(ValueError, match=rf"lock file {re.escape(str(lock))} is {kind}; .*remove it"):
+        with results_lock(tmp_path / "exp.results.jsonl"):
+            pass
+    assert lock.exists()
+
+
+def test_a_symlink_at_the_results_path_is_refused(tmp_path):
+    reports, outside = tmp_path / "reports", tmp_path / "outside.jsonl"
+    reports.mkdir()
+    outside.write_text("precious\n")
+    results = reports / "exp.results.jsonl"
+    results.symlink_to(outside)
+    match = rf"results file {re.escape(str(results))} is a symlink \(to .*outside\.jsonl\); .*remove it"
+    with pytest.raises(ValueError, match=match):
+        with results_lock(results):
+            pass
+    with pytest.raises(ValueError, match=match):
+        append_row(results, {"run": "x"})
+    assert outside.read_text() == "precious\n" and not (reports / "exp.results.jsonl.lock").exists()

@@ -88,3 +88,41 @@ def test_execution_and_a_formats_sweep_round_trip_through_toml():
     exp = parse_experiment({**tomllib.loads(experiment_toml(exp)), "execution": {"num_cpus": 2, "max_retries": 3}})
     again = parse_experiment(tomllib.loads(experiment_toml(exp)))
     assert again == exp and again.execution.num_cpus == 2 and [r.name for r in again.runs] == ["rtn-nf4", "rtn-mxfp4"]
+
+
+def test_an_unknown_field_in_a_large_grid_fails_before_the_grid_expands(monkeypatch):
+    # 5 axes of 10 values (100,000 points) with an unknown field: the first combination is parsed first
+    from quantlab.runs import experiment
+
+    monkeypatch.setattr(experiment, "expand_sweep", lambda *a: pytest.fail("expanded a grid with an unknown key"))
+    sweep = {"method": "rtn", "bits": [2, 3, 4, 5, 6, 7, 8, 2, 3, 4], "group_size": list(range(16, 176, 16)),
+             "symmetric": [True, False] * 5, "bitz": list(range(10)), "foo": list(range(10))}
+    with pytest.raises(ValueError, match=r"f.toml: \[\[sweep\]\] #1: run 'rtn-w2-g16-sym-bitz0-foo0': "
+                                         r"unknown config key\(s\) 'bitz', 'foo'"):
+        _exp(sweep)
+
+
+def test_a_grid_past_the_cap_fails_naming_the_sweep_and_its_size():
+    from quantlab.runs.sweep import MAX_SWEEP_RUNS
+
+    sweep = {"method": "rtn", "bits": [4, 8], "exclude": [[f"x{i}"] for i in range(MAX_SWEEP_RUNS // 2 + 1)]}
+    with pytest.raises(ValueError, match=r"f.toml: \[\[sweep\]\] #1: the grid has 10,002 runs \(bits 2 x exclude "
+                                         r"5001\), more than the 10,000 a sweep may expand to"):
+        _exp(sweep)
+
+
+def test_a_10k_grid_is_parsed_once_per_run_and_in_linear_time(monkeypatch):
+    import time
+
+    from quantlab.runs import experiment
+
+    calls, make_config = [], experiment.make_config
+    monkeypatch.setattr(experiment, "make_config", lambda table: calls.append(1) or make_config(table))
+    sweep = {"method": "rtn", "bits": [4, 5, 6, 7, 8], "symmetric": [True, False],
+             "group_size": list(range(16, 176, 16)), "exclude": [[f"x{i}"] for i in range(100)]}
+    start = time.perf_counter()
+    exp = _exp(sweep)
+    seconds = time.perf_counter() - start
+    assert len(exp.runs) == 10_000 and len({r.name for r in exp.runs}) == 10_000
+    assert len(calls) == 10_001  # the first combination before expanding, then each run once (was: twice each)
+    assert seconds < 5, f"10,000 runs took {seconds:.1f} s to parse (0.5 s expected; quadratic was 6 s)"

@@ -14,9 +14,12 @@ import os
 def cmd_run(args) -> int:
     from ..runs.experiment import load_experiment
     from ..runs.runner import run_experiment
+    from ..util.checks import check_reports_dir
 
+    check_reports_dir(args.reports_dir, "--reports-dir")
     exp = load_experiment(args.experiment)  # validates every run before any model loads
     if args.full:
+        _check_full_name(args.experiment, exp.name)
         exp = dataclasses.replace(exp, name=f"{exp.name}_full", eval=exp.eval.unbounded())
     if args.device:
         exp = dataclasses.replace(exp, device=args.device)
@@ -28,6 +31,17 @@ def cmd_run(args) -> int:
     cols = [c for c in ("run", "scheme", "ppl", "ppl_delta_pct", "kl_mean", "weight_mib", "bits_per_weight") if c in df]
     print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     return 0
+
+
+def _check_full_name(path, name: str) -> None:
+    """--full reports as <name>_full: say so when that, not the name in the file, is what runs past the limit."""
+    from ..util.checks import NAME_MAX_BYTES
+
+    size = len(f"{name}_full".encode("utf-8", "surrogatepass"))
+    if size > NAME_MAX_BYTES:
+        raise ValueError(f"{path}: experiment name {name[:40]!r}... becomes {size} UTF-8 bytes with --full (it "
+                         f"reports as <name>_full), over the limit of {NAME_MAX_BYTES}: shorten it to at most "
+                         f"{NAME_MAX_BYTES - len('_full')} bytes")
 
 
 def _dry_run(exp, reports_dir) -> int:

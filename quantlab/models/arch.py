@@ -132,18 +132,41 @@ ARCH: dict[str, dict] = {
 }
 
 
-def arch_for(model: nn.Module, needed_by: str | None = None) -> dict:
-    """The table entry for model.config.model_type, or an error naming it, the supported ones and (if given)
-    the method that needs the entry.
+def _model_type(model_or_config) -> str | None:
+    """config.model_type of a model, or model_type of a Hugging Face config itself (checks that load no weights)."""
+    return getattr(getattr(model_or_config, "config", model_or_config), "model_type", None)
+
+
+def arch_for(model_or_config, needed_by: str | None = None) -> dict:
+    """The table entry for the model_type of a model (model.config) or of a Hugging Face config alone, or an error
+    naming it, the supported ones and (if given) the method that needs the entry.
 
     >>> arch_for(model, "awq")["groups"]
+    >>> arch_for(load_model_config("smollm2-135m"), "awq")   # the same entry, no weights loaded
     """
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    model_type = _model_type(model_or_config)
     if model_type not in ARCH:
         who = f"{needed_by}: " if needed_by else ""
         raise ValueError(f"{who}model_type {model_type!r} has no architecture entry; supported: "
                          f"{', '.join(sorted(ARCH))} (entries live in ARCH, quantlab/models/arch.py)")
     return ARCH[model_type]
+
+
+def rotation_facts(model_or_config) -> dict:
+    """The rotation facts (transforms/rotation.py) of a model's or a config's model_type, or an error naming it, why
+    it has none and the supported ones.
+
+    >>> rotation_facts(load_model_config("smollm2-135m"))["final_norm"]
+    'model.norm'
+    """
+    model_type = _model_type(model_or_config)
+    facts = ARCH.get(model_type, {}).get("rotation")
+    if facts is None:
+        known = sorted(k for k, v in ARCH.items() if v.get("rotation"))
+        why = ARCH.get(model_type, {}).get("rotation_why", "pre-norm RMSNorm decoders only")
+        raise ValueError(f"rotation: model_type {model_type!r} has no rotation facts ({why}); supported: "
+                         f"{', '.join(known)}; scope = \"online\" works on any model")
+    return facts
 
 
 def find_blocks(model: nn.Module) -> nn.ModuleList:

@@ -7,11 +7,13 @@ the runner appends, the sensitivity sweep caches, `quantlab report` and `compare
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
 import socket
+import stat
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,9 +36,43 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
+def refuse_links(path: Path, what: str) -> None:
+    """A ValueError naming `path` when a symlink, or anything but a regular file, is there (nothing there: fine).
+
+    Results and lock files are written in place: following a link would write outside the reports folder."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISLNK(mode):
+        kind = f"a symlink (to {os.readlink(path)})"
+    else:
+        kind = "a folder, not a regular file" if stat.S_ISDIR(mode) else "not a regular file"
+    raise ValueError(f"{what} {path} is {kind}; it must be a regular file (quantlab never writes through a link): "
+                     f"remove it and run again")
+
+
+def _open_no_follow(path: Path, flags: int, what: str) -> int:
+    """os.open that refuses a symlink or non-regular file at `path` (naming it) instead of writing through it."""
+    try:  # O_NONBLOCK: a FIFO or device there must not block the open
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):  # a link, a folder, a FIFO without reader
+            raise
+        refuse_links(path, what)
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        refuse_links(path, what)
+    return fd
+
+
 def append_row(path: Path, row: dict) -> None:
-    """One JSON line, flushed at once: a crash keeps every finished row."""
-    with path.open("a", encoding="utf-8") as f:
+    """One JSON line, flushed at once: a crash keeps every finished row. A symlink at `path` is refused."""
+    fd = _open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "results file")
+    with os.fdopen(fd, "a", encoding="utf-8") as f:
         f.write(json.dumps(row, default=str) + "\n")
         f.flush()
 
@@ -74,14 +110,14 @@ def _pid_alive(pid) -> bool:
 def _try_lock(lock: Path) -> int | None:
     """An fd holding flock(LOCK_EX) on `lock` (the file that is still at that path), or None if held."""
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_no_follow(lock, os.O_RDWR | os.O_CREAT, "lock file")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return None
         try:  # the holder before us may have unlinked the file between our open and flock: retry on the new one
-            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+            if os.fstat(fd).st_ino == os.lstat(lock).st_ino:
                 return fd
         except FileNotFoundError:
             pass
@@ -95,7 +131,8 @@ def results_lock(results: str | Path, wait: bool = False, timeout_s: float | Non
 
     The lock is an flock on the file (the kernel drops it when the holder dies, even by SIGKILL); the
     file names its holder (PID, host, start time) for the message the next process prints. A lock file
-    left by a dead process is logged and taken over. Released on success, error and Ctrl-C.
+    left by a dead process is logged and taken over. Released on success, error and Ctrl-C. A symlink (or
+    anything but a regular file) at the lock or results path is refused, naming it: never written through.
 
     wait=False: raise ResultsLocked at once, naming the holder. wait=True: poll every poll_s seconds,
     logging who holds it every report_every_s, and raise ResultsLocked after timeout_s (None: no limit).
@@ -104,6 +141,7 @@ def results_lock(results: str | Path, wait: bool = False, timeout_s: float | Non
     ...     append_row(Path("reports/x.results.jsonl"), row)
     """
     lock = Path(str(results) + LOCK_SUFFIX)
+    refuse_links(Path(results), "results file")  # checked before anything runs, not at the first row
     fd = _acquire(lock, wait, timeout_s, poll_s, report_every_s)
     try:
         yield lock

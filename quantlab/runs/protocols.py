@@ -16,6 +16,17 @@ def check_keys(table: dict, cls: type, where: str) -> None:
 
 
 MEMORY_MODES = ("none", "isolated")
+
+# Upper limits of the sizes that allocate (tensors, windows, processes), generous but finite, so that a typo
+# (num_samples = 1000000000) fails here, naming its field, rather than as an allocation error once the model loads.
+MAX_SEQ_LEN = 1 << 20  # tokens: 1,048,576, past the longest context of today's models (1M); seq_len, max_length
+MAX_WINDOWS = 1_000_000  # eval windows / sentences / documents: WikiText-2's test split is ~1,100 windows of 256
+MAX_EVAL_TOKENS = 1_000_000_000  # eval.max_tokens: a billion tokens is far past any held-out split
+MAX_CALIB_SAMPLES = 100_000  # calibration windows held at once (GPTQ uses 128): 100k x 2048 int64 ids = 1.6 GB
+MAX_KL_WINDOWS = 100_000  # each KL window runs the float model once more; the default is 8
+MAX_REPEATS = 10_000  # latency repeats: each is a full prefill + decode; the default is 3
+MAX_BATCH = 4_096  # lm-eval batch size: requests in one forward
+MAX_PROCESSES = 1_024  # QAT data-parallel processes, each holding a copy of the model
 WINDOW_ORDERS = ("first", "spread")  # models.data.WINDOW_ORDERS
 BOS_MODES = ("none", "prepend")  # models.data.BOS_MODES: what eval_windows / calibration_windows do with a BOS
 
@@ -66,14 +77,15 @@ class EvalProtocol:
         if self.memory == "isolated" and self.metric != "perplexity":
             raise ValueError(f"eval.memory = 'isolated' needs metric = 'perplexity' (the probe loads causal LMs), "
                              f"got metric {self.metric!r}")
-        check_int("eval.seq_len", self.seq_len, 1)
-        check_int("eval.num_sentences", self.num_sentences, 1)
-        check_int("eval.max_length", self.max_length, 1)
-        check_int("eval.max_windows", self.max_windows, 1, allow_none=True)
-        check_int("eval.max_tokens", self.max_tokens, 1, allow_none=True)
-        for name in ("prefill_tokens", "decode_tokens", "latency_repeats"):
-            check_int(f"eval.{name}", getattr(self, name), 1)
-        check_int("eval.kl_windows", self.kl_windows, 0)
+        check_int("eval.seq_len", self.seq_len, 1, MAX_SEQ_LEN)
+        check_int("eval.num_sentences", self.num_sentences, 1, MAX_WINDOWS)
+        check_int("eval.max_length", self.max_length, 1, MAX_SEQ_LEN)
+        check_int("eval.max_windows", self.max_windows, 1, MAX_WINDOWS, allow_none=True)
+        check_int("eval.max_tokens", self.max_tokens, 1, MAX_EVAL_TOKENS, allow_none=True)
+        for name in ("prefill_tokens", "decode_tokens"):  # one prompt + its KV cache: a context's length at most
+            check_int(f"eval.{name}", getattr(self, name), 1, MAX_SEQ_LEN)
+        check_int("eval.latency_repeats", self.latency_repeats, 1, MAX_REPEATS)
+        check_int("eval.kl_windows", self.kl_windows, 0, MAX_KL_WINDOWS)
         if self.windows not in WINDOW_ORDERS:
             raise ValueError(f"eval.windows {self.windows!r} unknown; known: {', '.join(WINDOW_ORDERS)}")
         if self.bos not in BOS_MODES:
@@ -107,9 +119,9 @@ def _check_lm_eval(e: EvalProtocol) -> None:
     object.__setattr__(e, "lm_eval_tasks", tuple(tasks))
     if tasks and e.metric != "perplexity":
         raise ValueError(f"eval.lm_eval_tasks applies to causal LMs (metric = 'perplexity'), got metric {e.metric!r}")
-    check_int("eval.lm_eval_limit", e.lm_eval_limit, 1, allow_none=True)
-    check_int("eval.lm_eval_max_length", e.lm_eval_max_length, 2, allow_none=True)
-    check_int("eval.lm_eval_batch_size", e.lm_eval_batch_size, 1)
+    check_int("eval.lm_eval_limit", e.lm_eval_limit, 1, MAX_WINDOWS, allow_none=True)
+    check_int("eval.lm_eval_max_length", e.lm_eval_max_length, 2, MAX_SEQ_LEN, allow_none=True)
+    check_int("eval.lm_eval_batch_size", e.lm_eval_batch_size, 1, MAX_BATCH)
 
 
 @dataclass(frozen=True)
@@ -128,8 +140,8 @@ class CalibrationProtocol:
     def __post_init__(self):
         if self.split == "test":
             raise ValueError("calibration.split = 'test' is not allowed: never calibrate on the evaluation split")
-        check_int("calibration.num_samples", self.num_samples, 1)
-        check_int("calibration.seq_len", self.seq_len, 1)
+        check_int("calibration.num_samples", self.num_samples, 1, MAX_CALIB_SAMPLES)
+        check_int("calibration.seq_len", self.seq_len, 1, MAX_SEQ_LEN)
         if self.datasets is not None:
             object.__setattr__(self, "datasets", _check_datasets("calibration.datasets", self.datasets))
             if self.dataset not in ("wikitext2", self.datasets[0]):
@@ -183,4 +195,4 @@ class ExecutionConfig:
         if self.num_cpus == 0 and self.num_gpus == 0:
             raise ValueError("execution: num_cpus and num_gpus are both 0; a run needs some resource")
         check_int("execution.max_retries", self.max_retries, 0)
-        check_int("execution.qat_processes", self.qat_processes, 1)
+        check_int("execution.qat_processes", self.qat_processes, 1, MAX_PROCESSES)

@@ -15,6 +15,7 @@ from ..reporting.results import append_row, read_rows, results_lock
 from .envinfo import environment
 from .evaluate import EvalContext, evaluate_run, result_row, run_key
 from .experiment import Experiment, RunSpec
+from .preflight import preflight
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,29 @@ def plan_experiment(exp: Experiment, reports_dir: str | Path = "reports") -> lis
     return plan
 
 
+def _check_executor_and_reports_dir(executor: str, address: str | None, reports_dir) -> Path:
+    """Everything about where the runs go that fails before any lock, Ray or model; returns the reports folder,
+    created."""
+    from ..util.checks import check_reports_dir
+
+    if executor not in EXECUTORS:
+        raise ValueError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
+    if executor == "local" and address is not None:
+        raise ValueError(f"--address {address!r} needs --executor ray")
+    if executor == "ray":
+        from .ray_executor import check_reachable, import_ray
+
+        if address is not None:
+            check_reachable(address)  # an address nothing Ray answers at fails in seconds, before Ray loads
+        import_ray()  # a missing Ray fails before any lock or model
+    reports_dir = check_reports_dir(reports_dir, "reports_dir")
+    try:
+        reports_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # no permission, read-only file system, ...
+        raise ValueError(f"cannot create the reports folder {str(reports_dir)!r}: {e.strerror}") from None
+    return reports_dir
+
+
 def run_experiment(
     exp: Experiment, reports_dir: str | Path = "reports", force: bool = False, data_dir=None, cache_dir=None,
     progress: bool = True, wait: bool = False, wait_timeout_s: float | None = None, executor: str = "local",
@@ -84,19 +108,10 @@ def run_experiment(
     One process at a time per results file: another one running the same experiment makes this one
     fail at once (ResultsLocked, naming its PID), or with wait=True wait for it (up to wait_timeout_s).
     A failed run is logged in one line (its traceback at DEBUG), the others go on, and a RuntimeError
-    listing the failures is raised after the report is written. executor "ray": each pending run is a Ray task
-    on the cluster at `address` (None: a local Ray), see runs/ray_executor.py.
+    listing the failures is raised after the report is written (no report when every run failed). executor "ray":
+    each pending run is a Ray task on the cluster at `address` (None: a local Ray), see runs/ray_executor.py.
     """
-    if executor not in EXECUTORS:
-        raise ValueError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
-    if executor == "local" and address is not None:
-        raise ValueError(f"--address {address!r} needs --executor ray")
-    if executor == "ray":
-        from .ray_executor import import_ray
-
-        import_ray()  # a missing Ray fails before any lock or model
-    reports_dir = Path(reports_dir)
-    reports_dir.mkdir(parents=True, exist_ok=True)
+    reports_dir = _check_executor_and_reports_dir(executor, address, reports_dir)
     results = reports_dir / f"{exp.name}.results.jsonl"
     with results_lock(results, wait=wait, timeout_s=wait_timeout_s):
         if force and results.exists():
@@ -106,6 +121,7 @@ def run_experiment(
         pending = [r for r in exp.runs if run_key(exp, r, device) not in done]
         log.info("%s: %d runs, %d already done, %d to run", exp.name, len(exp.runs), len(exp.runs) - len(pending),
                  len(pending))
+        preflight(exp, pending, cache_dir)  # what the model's config alone refuses, before any weights load
         if not pending:
             failures = []
         elif executor == "ray":
@@ -116,7 +132,9 @@ def run_experiment(
             failures = _run_pending(exp, pending, results, device, data_dir, cache_dir, progress)
         latest = {r["run_key"]: r for r in read_rows(results)}
         rows = [latest[k] for k in (run_key(exp, r, device) for r in exp.runs) if k in latest]
-        df = write_report(exp.name, rows, reports_dir, exp.description, exp.findings)
+        if rows or not failures:  # every run failed: the failures are the news, not "no rows"
+            df = write_report(exp.name, rows, reports_dir, exp.description, exp.findings)
     if failures:
-        raise RuntimeError(f"{len(failures)} run(s) failed (finished rows kept in {results}): " + "; ".join(failures))
+        kept = f" (finished rows kept in {results})" if rows else ", no rows to report"
+        raise RuntimeError(f"{len(failures)} run(s) failed{kept}: " + "; ".join(failures))
     return df

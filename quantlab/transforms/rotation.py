@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..core.lifecycle import linearize_conv1d
-from ..models.arch import arch_for, find_blocks
+from ..models.arch import find_blocks, rotation_facts
 from ..util.checks import check_choice, check_int
 from .hadamard import factor_order, hadamard_matrix, hadamard_transform, random_orthogonal, random_signs
 
@@ -91,22 +91,6 @@ def _orthogonal(n: int, config: RotationConfig, seed: int) -> torch.Tensor:
     if config.kind == "random":
         return random_orthogonal(n, seed)
     return random_signs(n, seed)[:, None] * hadamard_matrix(n).to(torch.float64) / n ** 0.5
-
-
-def _facts(model: nn.Module) -> dict:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    try:
-        facts = arch_for(model).get("rotation")
-    except ValueError:
-        facts = None
-    if facts is None:
-        from ..models.arch import ARCH
-
-        known = sorted(k for k, v in ARCH.items() if v.get("rotation"))
-        why = ARCH.get(model_type, {}).get("rotation_why", "pre-norm RMSNorm decoders only")
-        raise ValueError(f"rotation: model_type {model_type!r} has no rotation facts ({why}); supported: "
-                         f"{', '.join(known)}; scope = \"online\" works on any model")
-    return facts
 
 
 def _check_float(model: nn.Module) -> None:
@@ -191,7 +175,7 @@ def rotate_model(model: nn.Module, config: RotationConfig) -> dict:
     _check_float(model)
     if config.scope == "online":
         return _rotate_online(model, config)
-    facts = _facts(model)
+    facts = rotation_facts(model)
     cfg = model.config
     hidden = cfg.hidden_size
     n_heads = cfg.num_attention_heads
