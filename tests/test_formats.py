@@ -355,8 +355,8 @@ def test_nan_weights_fail_at_quantize_naming_the_layer(tiny_model):
         quantlab.quantize(model, make_config({"method": "rtn", "format": "nvfp4"}))
 
 
-def test_list_and_readme_state_the_true_bits_per_weight():
-    """`quantlab list` computes bits/w from real layers; the README's table must agree with it."""
+def test_list_and_the_formats_page_state_the_true_bits_per_weight():
+    """`quantlab list` computes bits/w from real layers; the formats page's table (docs/formats.md) must agree."""
     from pathlib import Path
 
     from quantlab.cli.models import format_table
@@ -365,7 +365,7 @@ def test_list_and_readme_state_the_true_bits_per_weight():
     assert "4.250 bits/w" in lines["mxfp4"] and "4.500 bits/w" in lines["nf4"]
     assert "6.250 bits/w" in lines["mxfp6_e2m3"] and "8.008 bits/w" in lines["fp8_e4m3"]
     assert "4.508 bits/w" in lines["nvfp4"]  # 4.5 + 32 bits per 4096-weight tensor
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[1] / "docs" / "formats.md").read_text()
     for row in ("| `nf4` | NF4 (QLoRA's 16 levels) | fp32 absmax per 64 (fp16: 4.25) | 4.5 |",
                 "| E2M1, FP6, FP8, INT8 | E8M0 per 32 | 4.25, 6.25, 8.25, 8.25 |", "| 8.008 |"):
         assert row in readme
