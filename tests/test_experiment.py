@@ -179,7 +179,8 @@ def _config_only_model(tmp_path, model_type, **fields):
 
 
 @pytest.mark.parametrize("case", ["eval-seq-len", "calibration-seq-len", "run-calibration-seq-len",
-                                  "rotation-bert", "rotation-gemma3", "rotation-head-dim", "awq-gpt-neox"])
+                                  "rotation-bert", "rotation-gemma3", "rotation-head-dim", "awq-gpt-neox",
+                                  "kv-group"])
 def test_what_the_models_config_refuses_fails_before_its_weights_load(case, tiny_model_dir, tmp_path, monkeypatch):
     """Checks that need the config alone run before load_model (and so before the fp32 row is evaluated)."""
     from quantlab.runs import evaluate
@@ -206,6 +207,9 @@ def test_what_the_models_config_refuses_fails_before_its_weights_load(case, tiny
     elif case == "rotation-head-dim":  # head_dim 18: no Hadamard of that order (transforms/hadamard.py)
         model = _config_only_model(tmp_path, "llama", hidden_size=72, intermediate_size=144)
         match = r"run 'rot' .*: rotation: head_dim = 18: no Hadamard construction for order 18"
+    elif case == "kv-group":  # the tiny Llama's head_dim is 16: groups of 5 straddle it
+        runs = [fp32, {"name": "kv", "method": "none", "kv_cache": {"bits": 4, "group_size": 5}}]
+        match = r"run 'kv' .*: kv group_size 5 does not divide llama's head_dim 16; valid: 1, 2, 4, 8, 16"
     else:
         model, runs = _config_only_model(tmp_path, "gpt_neox"), [fp32, {"name": "awq", "method": "awq"}]
         match = r"run 'awq' .*: awq: model_type 'gpt_neox' has no architecture entry; supported: .*llama"

@@ -80,6 +80,10 @@ class RunExtra:
     def check(self, config: Any, method_config: Any, backend: str) -> None:
         """Raise ValueError when the extra does not compose with the run's method (ask its capabilities)."""
 
+    def check_model_config(self, config: Any, model_config: Any) -> None:
+        """Raise ValueError when the model cannot take the extra, judged from its Hugging Face config alone (run
+        before any weights load: runs/preflight.py)."""
+
     @contextlib.contextmanager
     def apply(self, model: nn.Module, config: Any) -> Iterator[dict]:
         """Change `model` in place for the run; yields the fields it adds to the result row. On exit, undo what

@@ -25,6 +25,12 @@ class KVCache(RunExtra):
     def refusal(self, config: KVCacheConfig, backend: str) -> str | None:
         return "does not export a quantized KV cache (kv_cache = {...})" if backend == "onnxruntime" else None
 
+    def check_model_config(self, config: KVCacheConfig, model_config) -> None:
+        heads = getattr(model_config, "num_attention_heads", None)
+        head_dim = getattr(model_config, "head_dim", None) or (model_config.hidden_size // heads if heads else None)
+        if head_dim:  # group_size must divide it (as apply_kv_quant checks on the loaded attention modules)
+            config.check_head_dim(head_dim, getattr(model_config, "model_type", "model"))
+
     @contextlib.contextmanager
     def apply(self, model, config: KVCacheConfig):
         with kv_quant(model, config):  # removed on exit: the model is as it was before

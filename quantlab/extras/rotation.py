@@ -12,7 +12,7 @@ import time
 
 from ..core.extras import BEFORE_QUANTIZE, RunExtra, register_extra
 from ..core.registry import get_method, nested_configs
-from ..transforms.rotation import RotationConfig, rotate_model
+from ..transforms.rotation import RotationConfig, check_rotatable, rotate_model
 
 
 @register_extra
@@ -39,6 +39,10 @@ class Rotation(RunExtra):
                 raise ValueError(f"rotation with r4 = true (online Hadamard on down_proj's input) does not compose "
                                  f"with {method.name}: its up_proj -> down_proj scales "
                                  f"would not cancel through the Hadamard; set r4 = false in rotation")
+
+    def check_model_config(self, config: RotationConfig, model_config) -> None:
+        if config.scope != "online":  # online: a Hadamard on every linear's input, any model
+            check_rotatable(config, model_config)
 
     @contextlib.contextmanager
     def apply(self, model, config: RotationConfig):

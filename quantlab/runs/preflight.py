@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from ..core.registry import get_method, nested_configs
 from ..eval.estimate import load_config
-from ..models.arch import arch_for, rotation_facts
-from ..transforms.hadamard import factor_order
+from ..models.arch import arch_for
 
 
 def preflight(exp, runs, cache_dir=None, config=None) -> None:
@@ -47,24 +46,12 @@ def _check_length(field: str, length: int, max_positions: int, where: str) -> No
                          f"valid: 1..{max_positions}")
 
 
-def _check_architecture(run, config) -> None:
-    """The architecture table entries the run needs: a residual rotation's facts and Hadamard orders, and the
-    smoothing groups of a method that folds per-channel scales (the table is where they find their producers)."""
+def _check_architecture(run, model_config) -> None:
+    """The architecture table entries the run needs (the smoothing groups of a method that folds per-channel scales:
+    the table is where they find their producers), and what each of its extras asks of the model."""
     for c in nested_configs(run.config):
         method = get_method(c)
         if method.folds_channel_scales(c):
-            arch_for(config, method.name)
-    rotation = run.extra("rotation")
-    if rotation is None or rotation.scope == "online":  # online: a Hadamard on every linear input, any model
-        return
-    rotation_facts(config)
-    hidden, heads = config.hidden_size, config.num_attention_heads
-    sizes = {"hidden_size": hidden} | (
-        {"head_dim": getattr(config, "head_dim", None) or hidden // heads} if rotation.r2 else {}) | (
-        {"intermediate_size": config.intermediate_size} if rotation.r4 else {})
-    for what, n in sizes.items():  # as rotate_model: random rotations need a Hadamard only for R4's online one
-        if rotation.kind == "hadamard" or what == "intermediate_size":
-            try:
-                factor_order(n)
-            except ValueError as e:
-                raise ValueError(f"rotation: {what} = {n}: {e}") from None
+            arch_for(model_config, method.name)
+    for extra, config in run.extras:
+        extra.check_model_config(config, model_config)

@@ -167,6 +167,24 @@ def _rotate_online(model: nn.Module, config: RotationConfig) -> dict:
             "rotation_online_layers": len(linears)}
 
 
+def check_rotatable(config: RotationConfig, model_config) -> dict:
+    """The rotation facts of a residual-scope rotation for a model, from its Hugging Face config alone (no weights:
+    runs/preflight.py asks before loading), or a ValueError: no facts for its model_type, or a size with no
+    Hadamard matrix (random rotations need one only for R4's online Hadamard)."""
+    facts = rotation_facts(model_config)
+    hidden, heads = model_config.hidden_size, model_config.num_attention_heads
+    sizes = {"hidden_size": hidden} | (
+        {"head_dim": getattr(model_config, "head_dim", None) or hidden // heads} if config.r2 else {}) | (
+        {"intermediate_size": model_config.intermediate_size} if config.r4 else {})
+    for what, n in sizes.items():
+        if config.kind == "hadamard" or what == "intermediate_size":
+            try:
+                factor_order(n)
+            except ValueError as e:
+                raise ValueError(f"rotation: {what} = {n}: {e}") from None
+    return facts
+
+
 @torch.no_grad()
 def rotate_model(model: nn.Module, config: RotationConfig) -> dict:
     """Rotate a float model in place: Llama family R1 (+ R2, R4) folded, or scope "online" on any model; returns
@@ -175,21 +193,13 @@ def rotate_model(model: nn.Module, config: RotationConfig) -> dict:
     _check_float(model)
     if config.scope == "online":
         return _rotate_online(model, config)
-    facts = rotation_facts(model)
+    facts = check_rotatable(config, model.config)
     cfg = model.config
     hidden = cfg.hidden_size
     n_heads = cfg.num_attention_heads
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
     head_dim = getattr(cfg, "head_dim", None) or hidden // n_heads
     inter = cfg.intermediate_size
-    sizes = {"hidden_size": hidden} | ({"head_dim": head_dim} if config.r2 else {}) | (
-        {"intermediate_size": inter} if config.r4 else {})
-    for what, n in sizes.items():
-        if config.kind == "hadamard" or (what == "intermediate_size"):
-            try:
-                factor_order(n)
-            except ValueError as e:
-                raise ValueError(f"rotation: {what} = {n}: {e}") from None
     q1 = _orthogonal(hidden, config, config.seed)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     untied = _untie_head(model, head, embed)
