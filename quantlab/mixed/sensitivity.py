@@ -82,7 +82,7 @@ def make_units(model: nn.Module, config: RTNConfig, granularity: str = "layer") 
 
 def check_config(config: Any) -> RTNConfig:
     """Sensitivity quantizes layers in isolation without data: an `rtn` config (overrides allowed)."""
-    if not isinstance(config, RTNConfig) or get_method(config).name != "rtn":
+    if type(config) is not RTNConfig:  # exactly RTN: subclasses (gptq, hqq) round otherwise than spec_for says
         raise ValueError(f"sensitivity needs an 'rtn' config (per-layer, data-free), got method "
                          f"{get_method(config).name!r}; calibrated methods (gptq, awq) depend on every other layer")
     return config

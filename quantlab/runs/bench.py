@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..backends import export_model
+from ..core.grid import grid_fields
 from ..core.lifecycle import quantize
 from ..core.registry import make_config
 from ..eval.latency import measure_latency
@@ -57,10 +58,11 @@ def estimate_for(cfg: BenchConfig, model_config, batch: int, seq_len: int, summa
 
     if cfg.torchao_config:  # fp8: 1 byte per weight + a scale per row, roughly int8's layout
         bits, group_size, symmetric = 8, None, True
+    elif cfg.quant:  # the effective weight grid, a base included (a W8A8 dynamic config says no bits itself)
+        grid = grid_fields(make_config(cfg.quant), cfg.dtype)
+        bits, group_size, symmetric = grid["bits"], grid["group_size"], grid["symmetric"]
     else:
-        q = cfg.quant or {}
-        bits = q.get("bits", 8 if q.get("method") == "dynamic" else None)
-        group_size, symmetric = q.get("group_size"), q.get("symmetric", True)
+        bits, group_size, symmetric = None, None, True
     kind = str(summary.get("backend", ""))  # "onnxruntime+float": some layers exported as fp32 MatMuls
     backend = next((b for b in ("onnxruntime", "torchao") if kind.startswith(b)), "simulated")
     return estimate_memory(model_config, bits=bits, group_size=group_size, seq_len=seq_len, batch=batch,
