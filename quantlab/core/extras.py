@@ -26,9 +26,10 @@ order), never over their names: parsing (`parse`), run keys and TOML (`to_dict`)
 """
 from __future__ import annotations
 
-import contextlib
+import abc
 import dataclasses
-from typing import Any, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
 
 from torch import nn
 
@@ -40,7 +41,7 @@ METRICS = ("perplexity", "embedding")
 _EXTRAS: dict[str, "RunExtra"] = {}
 
 
-class RunExtra:
+class RunExtra(abc.ABC):
     """One kind of run extra. Subclasses set `key`, `config_cls` and `stage`, and define `apply`.
 
     `metrics`: the [eval] metrics it applies to. `replayed_in_isolation`: whether the isolated memory probe (a fresh
@@ -84,12 +85,11 @@ class RunExtra:
         """Raise ValueError when the model cannot take the extra, judged from its Hugging Face config alone (run
         before any weights load: runs/preflight.py)."""
 
-    @contextlib.contextmanager
-    def apply(self, model: nn.Module, config: Any) -> Iterator[dict]:
-        """Change `model` in place for the run; yields the fields it adds to the result row. On exit, undo what
-        can be undone (hooks, attention functions); weight changes stay, as the run's model is a copy."""
-        raise NotImplementedError(f"run extra {self.key!r} has no apply()")
-        yield {}  # pragma: no cover
+    @abc.abstractmethod
+    def apply(self, model: nn.Module, config: Any) -> AbstractContextManager[dict]:
+        """A context manager (decorate it with contextlib.contextmanager) that changes `model` in place for the run
+        and yields the fields it adds to the result row; on exit it undoes what can be undone (hooks, attention
+        functions); weight changes stay, as the run's model is a copy."""
 
 
 def register_extra(cls: type[RunExtra]) -> type[RunExtra]:
