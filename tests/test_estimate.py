@@ -220,21 +220,27 @@ def test_smollm2_estimate_within_15_percent_of_measured_peak(name, spec, tmp_pat
     assert est.total_bytes / MIB == pytest.approx(measured["peak_rss_mib"], rel=0.15)
 
 
-@pytest.mark.slow  # ~3 min on 2 cores: the export of the whole model dominates
+@pytest.mark.slow
 @pytest.mark.needs_model("smollm2-135m")
 def test_smollm2_onnxruntime_estimate_within_15_percent_of_measured_peak(tmp_path):
-    """The same bar for backend "onnxruntime": int4 g64 exported to ONNX Runtime, peak RSS of a fresh ORT session."""
+    """The same bar for backend "onnxruntime": int4 g64 exported to ONNX Runtime, peak RSS of a fresh ORT session.
+    The real model cut to its first 4 decoder blocks (real embedding, tied head and blocks; exporting all 30 took
+    ~2.5 min on 2 cores), and the estimate made for that config: every term the estimate has is still there."""
+    from torch import nn
+
     from quantlab.backends.ort import export_onnxruntime
     from quantlab.eval.memprobe import measure_peak_memory
 
     spec = {"method": "rtn", "bits": 4, "group_size": 64, "symmetric": False}
     model, _ = quantlab.load_model("smollm2-135m", device="cpu")
+    model.model.layers = nn.ModuleList(model.model.layers[:4])
+    model.config.num_hidden_layers = 4
     quantlab.quantize(model, quantlab.make_config(spec))
     export_onnxruntime(model, tmp_path / "model.onnx")
+    config = model.config
     del model
     measured = measure_peak_memory({"onnx_dir": str(tmp_path), "batch": 2, "prefill_tokens": 256,
                                     "decode_tokens": 16, "threads": 1})
-    est = estimate_memory("smollm2-135m", bits=4, group_size=64, symmetric=False, seq_len=272, batch=2,
-                          backend="onnxruntime")
+    est = estimate_memory(config, bits=4, group_size=64, symmetric=False, seq_len=272, batch=2, backend="onnxruntime")
     assert measured["backend"] == "onnxruntime"
     assert est.total_bytes / MIB == pytest.approx(measured["peak_rss_mib"], rel=0.15)
