@@ -5,7 +5,7 @@
 
 Same seeded calibration windows (validation split, 8 x 512 tokens by default) for every method:
 - GPTQ w4 g64 with true_sequential (the default): the current stage passes, which stop each block forward
-  once the stage's layers have their inputs (methods/blocks.observe_block), against the previous
+  once the stage's layers have their inputs (calibration/blocks.observe_block), against the previous
   implementation (a full block forward per stage), with a check that both give the same codes bit for bit;
 - GPTQ w4 g64, true_sequential = false; AWQ w4 g64 (llm-awq reference); SmoothQuant W8A8 (alpha 0.5 and
   searched); a sensitivity sweep of 4 layers (rtn w3 g64).

@@ -51,7 +51,6 @@ def require_ort() -> None:
                           "(or pip install onnxruntime onnx onnxscript)")
 
 
-
 def check_ort_run(exp, run) -> None:
     """What backend = "onnxruntime" cannot do, named before any model loads."""
     where = f"experiment {exp.name!r}: run {run.name!r}: backend 'onnxruntime'"
@@ -69,7 +68,6 @@ def check_ort_run(exp, run) -> None:
                          f"[eval] lm_eval_tasks or use backend = \"simulated\"")
     if exp.eval.memory == "isolated":
         raise ValueError(f"{where}: [eval] memory = \"isolated\" reloads PyTorch models; set memory = \"none\"")
-
 
 
 class _KVWrapper(nn.Module):

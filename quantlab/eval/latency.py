@@ -162,6 +162,7 @@ def _kv_measure(model, prompt, kv: KVCacheConfig, new_tokens, warmup, repeats, m
                        make_cache)
     out["kv_config"] = kv_describe(kv)
     if made:
-        out |= {"kv_cache_mib": kv_cache_nbytes(made[0]) / MIB, "kv_cache_float_mib": kv_cache_float_nbytes(made[0]) / MIB}
+        out |= {"kv_cache_mib": kv_cache_nbytes(made[0]) / MIB,
+                "kv_cache_float_mib": kv_cache_float_nbytes(made[0]) / MIB}
     made.clear()
     return out

@@ -49,8 +49,6 @@ from .experiment import Experiment, RunSpec
 log = logging.getLogger(__name__)
 
 
-
-
 def run_key(exp: Experiment, run: RunSpec, device: torch.device) -> str:
     method = get_method(run.config)
     # training (QAT) reads its windows from the calibration protocol too

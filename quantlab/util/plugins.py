@@ -44,7 +44,8 @@ def check_plugin_names(names, where: str) -> tuple[str, ...]:
 
 def _import(name: str, search_dir: Path | None, where: str, source: str):
     top = name.partition(".")[0]
-    if search_dir is not None and ((search_dir / f"{top}.py").is_file() or (search_dir / top / "__init__.py").is_file()):
+    beside = () if search_dir is None else (search_dir / f"{top}.py", search_dir / top / "__init__.py")
+    if any(f.is_file() for f in beside):
         folder = str(search_dir.resolve())
         if folder not in sys.path:
             sys.path.insert(0, folder)  # kept: configs of the plugin's classes must unpickle later in this process
