@@ -184,7 +184,7 @@ def test_stages_of_the_tiny_llama_block(tiny_model, true_sequential):
 
 @pytest.mark.parametrize("true_sequential", [True, False])
 def test_stopping_each_stage_pass_early_changes_nothing(tiny_model_dir, monkeypatch, true_sequential):
-    """Stage passes stop once the stage's layers have their inputs (methods/blocks.observe_block); reference:
+    """Stage passes stop once the stage's layers have their inputs (calibration/blocks.observe_block); reference:
     the previous full block forward per stage. Same Hessians, so bitwise the same codes and scales."""
     from quantlab.calibration import blocks
     from quantlab.core.lifecycle import quant_linears

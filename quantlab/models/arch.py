@@ -63,7 +63,7 @@ _LLAMA_QK = ("self_attn.q_proj", "self_attn.k_proj")
 # k_proj) stop any per-channel scale on q/k outputs, so no group starts there. v -> o holds where the shapes
 # match (group_applies: not under GQA, e.g. Gemma-3-270M's 4 query heads on 1 KV head). GeGLU: gelu(gate)·up,
 # so scaling up's rows scales down's input. Sliding-window and global layers differ only in their attention
-# mask and RoPE, which transformers passes per layer (methods/blocks.py replays each layer with its own).
+# mask and RoPE, which transformers passes per layer (calibration/blocks.py replays each layer with its own).
 _GEMMA3 = (
     ScaleGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), inspect="self_attn",
                norm_offset=1.0),
