@@ -20,7 +20,7 @@ steps = 0 attaches the adapters untrained (B = 0): the base model's outputs exac
 
 Adapters come from peft, not hand-written: peft is the implementation adapters are trained and shipped with, and
 its init, scaling and dropout come with it. QuantLinear is a module peft does not know, so it goes through peft's
-custom-module dispatch (LoraConfig._register_custom_module({QuantLinear: QuantLoraLinear}), methods/lora_layer.py,
+custom-module dispatch (LoraConfig._register_custom_module({QuantLinear: QuantLoraLinear}), qat/lora_layer.py,
 following peft's own layer for HQQ's quantized linears) and peft.inject_adapter_in_model, which swaps the targeted
 layers in place: no PeftModel wrapper, so module names, the transformers model class and every evaluation path stay
 as they are. Only merge is ours (re-quantization; lora_layer.merged_quant_linear). Which layers are targeted is
