@@ -48,13 +48,11 @@ def lock_held_elsewhere():
     return hold
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """A saved 2-layer Llama (hidden 64, tied embeddings) and a byte-level BPE tokenizer."""
+def save_tiny_llama(out: Path, max_positions: int = 256) -> Path:
+    """A 2-layer Llama (hidden 64, tied embeddings, seeded) and a byte-level BPE tokenizer, saved to `out`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    out = tmp_path_factory.mktemp("tiny-llama")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -65,11 +63,46 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions, tie_word_embeddings=True,
     )
     LlamaForCausalLM(cfg).save_pretrained(out)
     (out / "sample.txt").write_text(SAMPLE_TEXT)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A saved 2-layer Llama (hidden 64, tied embeddings) and a byte-level BPE tokenizer."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@contextmanager
+def registries_restored():
+    """What a test registers (methods, formats, observers, run extras, plugins it loads) is gone after it, and so are
+    the modules it imported from temporary folders and the sys.path entries it added: the registries are
+    process-wide, and tests must not see each other's plugins."""
+    import sys
+    import tempfile
+
+    from quantlab.core import extras, formats, observers, registry
+    from quantlab.util import plugins
+
+    saved = [(d, dict(d)) for d in (registry._METHODS, formats.FORMATS, observers.OBSERVERS, extras._EXTRAS,
+                                    plugins._loaded)]
+    ranges, path, installed, modules = list(observers.RANGE_OBSERVERS), list(sys.path), plugins._installed, set(sys.modules)
+    try:
+        yield
+    finally:
+        sys.path[:] = path
+        for d, copy in saved:
+            d.clear()
+            d.update(copy)
+        observers.RANGE_OBSERVERS[:] = ranges
+        plugins._installed = installed
+        temp = str(Path(tempfile.gettempdir()).resolve())
+        for name in set(sys.modules) - modules:
+            if str(Path(getattr(sys.modules[name], "__file__", None) or "/").resolve()).startswith(temp):
+                del sys.modules[name]
 
 
 @pytest.fixture()

@@ -59,22 +59,9 @@ def test_every_block_says_what_it_is():
 @pytest.fixture(scope="module")
 def docs_model_dir(tmp_path_factory) -> Path:
     """The tiny Llama of tests/conftest.py with 4096 positions, so the docs' seq_len 512 / 2048 examples fit."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from conftest import save_tiny_llama
 
-    from conftest import SAMPLE_TEXT
-
-    out = tmp_path_factory.mktemp("docs-tiny-llama")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([SAMPLE_TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"]))
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(out)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    return out
+    return save_tiny_llama(tmp_path_factory.mktemp("docs-tiny-llama"), max_positions=4096)
 
 
 @contextlib.contextmanager
@@ -139,32 +126,11 @@ def check_bash(code: str, attrs: dict, folder: Path, where: str) -> None:
             assert (REPO / argv[1]).exists() or (folder / argv[1]).exists(), f"{where}: {argv[1]} does not exist"
 
 
-@contextlib.contextmanager
-def registries_restored(folder: Path):
-    """What a page registers (methods, formats, observers, run extras) and the modules it imports from its folder
-    are gone after it: pages and tests do not see each other's plugins."""
-    from quantlab.core import extras, formats, observers, registry
-    from quantlab.util import plugins
-
-    saved = [(d, dict(d)) for d in (registry._METHODS, formats.FORMATS, observers.OBSERVERS, extras._EXTRAS,
-                                    plugins._loaded)]
-    ranges, path = list(observers.RANGE_OBSERVERS), list(sys.path)
-    try:
-        yield
-    finally:
-        sys.path[:] = path
-        for d, copy in saved:
-            d.clear()
-            d.update(copy)
-        observers.RANGE_OBSERVERS[:] = ranges
-        for name, module in list(sys.modules.items()):
-            if str(getattr(module, "__file__", "") or "").startswith(str(folder)):
-                del sys.modules[name]
-
-
 def run_page(page: Path, folder: Path) -> None:
     """Write the page's titled blocks, then check or run every block in order."""
-    with registries_restored(folder):
+    from conftest import registries_restored
+
+    with registries_restored():
         sys.path.insert(0, str(folder))  # the page's own files import as a reader's would, from where they lie
         _run_blocks(page, folder)
 

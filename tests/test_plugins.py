@@ -2,19 +2,19 @@
 entry point, with one-line errors naming the plugin; the docs' stochastic-rounding method does what its paper says."""
 from __future__ import annotations
 
-import contextlib
 import sys
 import textwrap
 
 import pytest
 import torch
+from conftest import registries_restored
+from test_docs import REPO, blocks
 
 import quantlab
 from quantlab.cli import main
-from quantlab.core import extras, formats, observers, registry
+from quantlab.core import formats
 from quantlab.runs.experiment import load_experiment
 from quantlab.util import plugins
-from test_docs import REPO, blocks
 
 METHOD = '''
 from dataclasses import dataclass
@@ -36,29 +36,9 @@ class Half(quantlab.Method):
 '''
 
 
-@contextlib.contextmanager
-def clean_registries():
-    """Whatever a test registers is gone after it (the registries are process-wide)."""
-    saved = [(d, dict(d)) for d in (registry._METHODS, formats.FORMATS, observers.OBSERVERS, extras._EXTRAS,
-                                    plugins._loaded)]
-    ranges, modules, installed, path = list(observers.RANGE_OBSERVERS), set(sys.modules), plugins._installed, list(sys.path)
-    try:
-        yield
-    finally:
-        for d, copy in saved:
-            d.clear()
-            d.update(copy)
-        observers.RANGE_OBSERVERS[:] = ranges
-        plugins._installed = installed
-        sys.path[:] = path
-        for name in set(sys.modules) - modules:
-            if name.startswith(("plug_", "qlplugpkg")):
-                del sys.modules[name]
-
-
 @pytest.fixture(autouse=True)
 def _isolated():
-    with clean_registries():
+    with registries_restored():
         yield
 
 
