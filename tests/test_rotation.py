@@ -157,7 +157,8 @@ def test_experiment_runs_rotate_and_say_so(tiny_model_dir, tmp_path):
     ({"method": "smoothquant", "smooth_linear_inputs": True, "rotation": {}}, "does not compose with smoothquant"),
     ({"method": "rtn", "rotation": {"kind": "hadamard", "sed": 1}}, r"rotation: unknown key\(s\) 'sed'; valid: kind"),
     ({"method": "rtn", "rotation": "hadamard"}, "rotation must be a table"),
-    ({"method": "rtn", "bits": 8, "backend": "torchao", "rotation": {}}, "backend 'torchao' is not supported with it"),
+    ({"method": "rtn", "bits": 8, "backend": "torchao", "rotation": {}},
+     r"backend 'torchao' does not run the online Hadamard of a rotation with r4 = true .*; use backend = \"simulated\""),
 ])
 def test_bad_rotation_runs_fail_before_loading(tiny_model_dir, run, match):
     with pytest.raises(ValueError, match=match):

@@ -25,8 +25,8 @@ class Rotation(RunExtra):
         if backend == "onnxruntime":
             return "does not export a rotation (rotation = {...})"
         if (config.r4 or config.scope == "online") and backend != "simulated":
-            return (f"rotation with r4 = true runs an online Hadamard in PyTorch; backend {backend!r} is not "
-                    f"supported with it (use backend = \"simulated\" or r4 = false)")
+            return ("does not run the online Hadamard of a rotation with r4 = true or scope 'online' (a PyTorch hook "
+                    "before the layer; set r4 = false for a residual rotation folded into the weights)")
         return None
 
     def check(self, config: RotationConfig, method_config, backend: str) -> None:
