@@ -73,31 +73,34 @@ def run_config(cfg: dict):
         return None
 
 
-def scheme(cfg: dict, dtype: str) -> str:
+def scheme(cfg: dict, dtype: str, config=None) -> str:
     """Short description of what a run quantizes: "w4 g64 asym", "w8 channel sym + a8 dynamic", "w4 g64 asym + QAT
-    LSQ + kv4 g64 asym": the method's own describe() (methods/), then each run extra's (extras/)."""
-    config = run_config(cfg)
+    LSQ + kv4 g64 asym": the method's own describe() (methods/), then each run extra's (extras/). `config`: the
+    method config run_config(cfg) gives, where the caller has built it already."""
+    config = run_config(cfg) if config is None else config
     text = cfg.get("method", "?") if config is None else get_method(config).describe(config, dtype)
     return " + ".join([text, *describe_extras(cfg)])
 
 
-def add_grid_columns(df: pd.DataFrame) -> pd.DataFrame:
-    """bits, group_size, symmetric, format, act_bits of every row from its stored config (the effective grid, a
-    base included: core.grid.grid_fields), as nullable integers / booleans, right after `scheme`. Rows whose
-    config no longer builds keep what they stored."""
+def add_config_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """scheme, then bits, group_size, symmetric, format, act_bits, of every row from its stored config (each built
+    once): the current wording and the effective grid (a base included: core.grid.grid_fields) for older rows too,
+    as nullable integers / booleans. Rows whose config no longer builds keep the grid they stored."""
     if "config" not in df:
         return df
     df = df.copy()
+    cfgs = [json.loads(c) for c in df["config"]]
+    configs = [run_config(c) for c in cfgs]
+    df["scheme"] = [scheme(c, d, config) for c, d, config in zip(cfgs, df["dtype"], configs)]
     fields = []
-    for i, (c, d) in enumerate(zip(df["config"], df["dtype"])):
-        config = run_config(json.loads(c))
+    for i, (config, d) in enumerate(zip(configs, df["dtype"])):
         stored = {k: df[k].iloc[i] if k in df else None for k in GRID_FIELDS}
         fields.append(stored if config is None else grid_fields(config, d))
     grid = pd.DataFrame(fields, index=df.index, columns=list(GRID_FIELDS))
     types = {"bits": "Int64", "group_size": "Int64", "act_bits": "Int64", "symmetric": "boolean", "format": "string"}
-    grid = grid.astype({k: v for k, v in types.items()})
+    grid = grid.astype(types)
     rest = df.drop(columns=[c for c in GRID_FIELDS if c in df])
-    at = list(rest.columns).index("scheme") + 1 if "scheme" in rest else len(rest.columns)
+    at = list(rest.columns).index("scheme") + 1
     return pd.concat([rest.iloc[:, :at], grid, rest.iloc[:, at:]], axis=1)
 
 
@@ -320,8 +323,7 @@ def write_report(name: str, rows: list[dict], reports_dir: str | Path, descripti
     reports_dir = Path(reports_dir)
     df = pd.DataFrame(rows)
     if "config" in df:  # derived from the stored config, so older rows get the current wording and grid too
-        df["scheme"] = [scheme(json.loads(c), d) for c, d in zip(df["config"], df["dtype"])]
-        df = add_grid_columns(df)
+        df = add_config_columns(df)
     df = domains.add_domain_columns(add_intervals(add_ratios(drop_lifetime_peaks(df))))
     summary, per_seed = summarize_seeds(df)
     at = [c for c, _, _ in TABLE_COLUMNS].index("ppl_delta_ci") + 1  # other domains' columns follow the main ppl's

@@ -143,8 +143,9 @@ def run_pending_ray(exp, pending: list, results: Path, data_dir, cache_dir, addr
     ray, started = connect(address)
     ex = exp.execution
     options = {"num_cpus": ex.num_cpus, "num_gpus": ex.num_gpus, "max_retries": ex.max_retries}
-    if plugin_folders():  # the run's configs unpickle on the worker: plugins beside the experiment file must import
-        path = os.pathsep.join(plugin_folders() + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    folders = plugin_folders()
+    if folders:  # the run's configs unpickle on the worker: plugins beside the experiment file must import
+        path = os.pathsep.join(folders + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         options["runtime_env"] = {"env_vars": {"PYTHONPATH": path}}
     task = ray.remote(_remote_run).options(**options)
     exp_ref = ray.put(exp)  # once, not once per task
