@@ -152,15 +152,19 @@ def _shell(spec: dict, dtype: torch.dtype, static_scale_shape: tuple) -> QuantLi
     out_f, in_f = spec["out_features"], spec["in_features"]
     layer = QuantLinear(in_f, out_f, spec["bias"], ws)
     groups = (out_f, n_groups(in_f, ws.group_size))
-    layer.register_buffer("qweight", torch.empty(packing.packed_nbytes(out_f * in_f, ws.bits), dtype=torch.uint8))
-    if ws.fmt is not None:
+    if ws.ggml is not None:  # llama.cpp's blocks (scales and mins inside), one row of bytes per output feature
+        layer.register_buffer("qweight", torch.empty(out_f, in_f // ws.ggml.block * ws.ggml.type_size,
+                                                     dtype=torch.uint8))
+    else:
+        layer.register_buffer("qweight", torch.empty(packing.packed_nbytes(out_f * in_f, ws.bits), dtype=torch.uint8))
+    if ws.fmt is not None and ws.ggml is None:
         for key, (shape, dtype_) in formats.storage_shapes(ws.fmt, groups, ws.torch_scale_dtype, ws.double_quant).items():
             layer.register_buffer(key, torch.empty(shape, dtype=dtype_))
-    else:
+    elif ws.fmt is None:
         layer.register_buffer("scale", torch.empty(groups, dtype=ws.torch_scale_dtype))
     if spec.get("float_zero", False):  # HQQ: real-valued zeros in the scale dtype
         layer.register_buffer("zero_f", torch.empty(groups, dtype=ws.torch_scale_dtype))
-    elif not ws.symmetric:
+    elif not ws.symmetric and ws.ggml is None:
         layer.register_buffer("zero_u", torch.empty(groups, dtype=torch.uint8))
     if spec["input_scale"]:
         layer.register_buffer("input_scale", torch.empty(in_f, dtype=dtype))

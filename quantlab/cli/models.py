@@ -18,7 +18,28 @@ def cmd_list(args) -> int:
     print("\nformats (format = ... on rtn / gptq / awq bases, overrides; act_format = ... on dynamic / static):")
     for line in format_table():
         print(line)
+    print("\nllama.cpp types (format = ... on rtn / gptq / awq, overrides; bit-exact ports of ggml-quants.c):")
+    for line in ggml_table():
+        print(line)
+    print("\nllama.cpp recipes (method = \"gguf\", type = ...; each tensor's type by llama.cpp's rules):")
+    for line in recipe_table():
+        print(line)
     return 0
+
+
+def ggml_table() -> list[str]:
+    """One line per llama.cpp type: name, code bits, block, bits per weight as stored, what it is."""
+    from ..core.ggml.registry import GGML_TYPES
+
+    return [f"  {name:8s} {t.code_bits}-bit codes, block {t.block:3d}, {t.bits_per_weight:.4g} bits/w: "
+            f"{t.summary.split('; ')[0]}" for name, t in GGML_TYPES.items()]
+
+
+def recipe_table() -> list[str]:
+    """One line per llama.cpp recipe (ftype): its base type's bits per weight and its mix rules."""
+    from ..core.ggml.recipes import FTYPES
+
+    return [f"  {name:7s} {text}" for name, text in FTYPES.items()]
 
 
 def format_table() -> list[str]:

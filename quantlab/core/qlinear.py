@@ -16,6 +16,7 @@ from torch import nn
 
 from ..util.checks import check_dtype, check_int, resolve_dtype
 from . import formats, packing
+from .ggml import registry as ggmlreg
 from .primitives import QParams, code_range, dequantize, fake_quantize, n_groups, qparams, quantize
 
 
@@ -28,6 +29,8 @@ class WeightSpec:
     left at its default takes the format's. MX fixes blocks of 32 and NVFP4 of 16 (group_size None takes
     them), NF4 defaults to absmax blocks of 64; double_quant (NF4 only) double-quantizes the absmax.
     scale_dtype None: the format's own (int float16, fp8/nf4 float32; MX E8M0 and NVFP4 E4M3 are fixed).
+    llama.cpp's types (core/ggml: q4_0, q4_k, q6_k, iq4_xs, ...) fix everything: bits (the code's), group_size (the
+    type's block, 32 or 256), symmetric (false for the types with mins: q4_1, q5_1, q2_k, q4_k, q5_k), the scales.
     """
 
     bits: int = 4
@@ -41,6 +44,9 @@ class WeightSpec:
         check_int("group_size", self.group_size, 1, allow_none=True)  # omitted: per output channel
         if not isinstance(self.double_quant, bool):
             raise ValueError(f"double_quant must be true or false, got {self.double_quant!r}")
+        if self.format in ggmlreg.GGML_TYPES:
+            self._check_ggml(ggmlreg.GGML_TYPES[self.format])
+            return
         if self.format == "int":
             check_int("bits", self.bits, 2, 8)
             if self.double_quant:
@@ -48,6 +54,9 @@ class WeightSpec:
             if self.scale_dtype is not None and check_dtype("scale_dtype", self.scale_dtype) == "float16":
                 object.__setattr__(self, "scale_dtype", None)  # the default, spelled out
             return
+        if self.format not in formats.FORMATS:
+            raise ValueError(f"unknown format {self.format!r}; known: int, {', '.join(formats.FORMATS)}, "
+                             f"and llama.cpp's {', '.join(ggmlreg.GGML_TYPES)}")
         fmt = formats.get_format(self.format)
         check_int("bits", self.bits, 2, 8)
         if self.bits not in (4, fmt.bits):  # 4: the default, left as is
@@ -70,48 +79,87 @@ class WeightSpec:
         object.__setattr__(self, "bits", fmt.bits)
         object.__setattr__(self, "group_size", group)
 
+    def _check_ggml(self, t: ggmlreg.GGMLType) -> None:
+        if self.bits not in (4, t.code_bits):
+            raise ValueError(f"llama.cpp type {t.name!r} has {t.code_bits}-bit codes; bits = {self.bits} contradicts "
+                             f"it (leave bits out)")
+        if self.group_size not in (None, t.block):
+            raise ValueError(f"llama.cpp type {t.name!r} fixes blocks of {t.block}; group_size = {self.group_size} "
+                             f"is not allowed (leave it out)")
+        if self.scale_dtype is not None or self.double_quant:
+            raise ValueError(f"llama.cpp type {t.name!r} fixes how its scales are stored; leave scale_dtype and "
+                             f"double_quant out")
+        object.__setattr__(self, "bits", t.code_bits)
+        object.__setattr__(self, "group_size", t.block)
+        object.__setattr__(self, "symmetric", not ggmlreg.has_min(t))
+
     @property
-    def fmt(self) -> formats.Format | None:
-        """The non-integer format, or None on an integer grid."""
-        return None if self.format == "int" else formats.FORMATS[self.format]
+    def ggml(self) -> ggmlreg.GGMLType | None:
+        """The llama.cpp type (core/ggml), or None."""
+        return ggmlreg.GGML_TYPES.get(self.format)
+
+    @property
+    def fmt(self) -> formats.Format | ggmlreg.GGMLType | None:
+        """The non-integer format (a number format or a llama.cpp type), or None on an integer grid."""
+        if self.format == "int":
+            return None
+        return formats.FORMATS.get(self.format) or ggmlreg.GGML_TYPES[self.format]
 
     @property
     def torch_scale_dtype(self) -> torch.dtype:
         """The dtype scales are rounded to (MX: powers of two and NVFP4: E4M3 values, held in float32)."""
         if self.scale_dtype is not None:
             return resolve_dtype(self.scale_dtype)
-        if self.fmt is None:
+        if self.fmt is None or self.ggml is not None:
             return torch.float16
         return torch.float32 if self.fmt.scale != "float" else resolve_dtype(self.fmt.default_scale_dtype)
 
-    def qparams(self, w: torch.Tensor, tensor_amax: torch.Tensor | None = None) -> QParams:
-        """Min-max (absmax) qparams per group of w; tensor_amax: NVFP4's tensor-level amax (default w's own)."""
+    def qparams(self, w: torch.Tensor, tensor_amax: torch.Tensor | None = None,
+                importance: torch.Tensor | None = None) -> QParams:
+        """Min-max (absmax) qparams per group of w; tensor_amax: NVFP4's tensor-level amax (default w's own).
+
+        A llama.cpp type runs its own quantizer (importance: its quant_weights per input column, e.g. an imatrix
+        row) and keeps the resulting GGUF bytes: QParams.extra["raw"] (out, in / block * type_size) uint8."""
+        if self.ggml is not None:
+            raw = ggmlreg.quantize_rows(w, self.format, importance)
+            return QParams(torch.empty(0), None, {"raw": raw})
         if self.fmt is None:
             return qparams(w, self.bits, self.group_size, self.symmetric, self.torch_scale_dtype)
         return formats.format_qparams(w, self.fmt, self.group_size, self.torch_scale_dtype, tensor_amax,
                                       self.double_quant)
 
     def fake_quantize(self, w: torch.Tensor, p: QParams, ste: bool = True) -> torch.Tensor:
-        """Float in, float out, on the grid."""
+        """Float in, float out, on the grid (a llama.cpp type: its bytes decoded, gradients straight through)."""
+        if self.ggml is not None:
+            q = ggmlreg.dequantize_rows(p.extra["raw"], self.format, w.shape[-1]).to(w.dtype)
+            return q + (w - w.detach()) if ste and w.requires_grad else q  # value q exactly, gradient to w
         if self.fmt is None:
             return fake_quantize(w, p, self.bits, self.group_size, ste=ste)
         return formats.format_fake_quantize(w, p, self.fmt, self.group_size, ste=ste)
 
     def encode(self, w: torch.Tensor, p: QParams) -> torch.Tensor:
-        """Float (..., K) -> unsigned codes in [0, 2^bits) as uint8 (integer grids: q - qmin)."""
+        """Float (..., K) -> unsigned codes in [0, 2^bits) as uint8 (integer grids: q - qmin; a llama.cpp type:
+        each weight's level index in its block, read from p's bytes)."""
+        if self.ggml is not None:
+            return ggmlreg.codes_rows(p.extra["raw"], self.format, w.shape[-1])
         if self.fmt is None:
             q = quantize(w, p, self.bits, self.group_size).to(torch.int32)
             return (q - code_range(self.bits, self.symmetric)[0]).to(torch.uint8)
         return formats.format_quantize(w, p, self.fmt, self.group_size)
 
     def scale_nbytes(self, n_scales: int) -> int:
-        """Bytes of n_scales group scales as stored (integer grids: + one zero byte each when asymmetric)."""
+        """Bytes of n_scales group scales as stored (integer grids: + one zero byte each when asymmetric; a llama.cpp
+        type: its block bytes beyond the codes)."""
+        if self.ggml is not None:
+            return n_scales * self.ggml.type_size - packing.packed_nbytes(n_scales * self.ggml.block, self.bits)
         if self.fmt is None:
             return n_scales * (self.torch_scale_dtype.itemsize + (0 if self.symmetric else 1))
         return formats.scale_nbytes(self.fmt, n_scales, self.torch_scale_dtype, self.double_quant)
 
     def describe(self) -> str:
         g = "channel" if self.group_size is None else f"g{self.group_size}"
+        if self.ggml is not None:
+            return self.format
         if self.fmt is None:
             return f"w{self.bits} {g} {'sym' if self.symmetric else 'asym'}"
         return f"{self.format}{'+dq' if self.double_quant else ''} {g}"
@@ -137,6 +185,9 @@ class QuantLinear(nn.Module):
         # evaluation cache (lifecycle.cached_weights): {dtype: the weight the forward multiplies by}, so a
         # no-grad evaluation dequantizes / fake-quantizes each weight once instead of on every forward
         self.weight_cache: dict | None = None
+        # llama.cpp types: the importance of each input column (an imatrix row, mean x^2) their quantizers weigh
+        # the rounding error by; None: the types' unweighted reference path
+        self.register_buffer("importance", None)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, spec: WeightSpec) -> "QuantLinear":
@@ -146,7 +197,11 @@ class QuantLinear(nn.Module):
         return q
 
     def current_qparams(self) -> QParams:
-        return self.fixed_qparams if self.fixed_qparams is not None else self.spec.qparams(self.weight)
+        if self.fixed_qparams is not None:
+            return self.fixed_qparams
+        if self.spec.ggml is not None:
+            return self.spec.qparams(self.weight, importance=self.importance)
+        return self.spec.qparams(self.weight)
 
     @property
     def float_zero(self) -> bool:
@@ -167,6 +222,8 @@ class QuantLinear(nn.Module):
         return self._weight(dtype)
 
     def _weight(self, dtype: torch.dtype | None) -> torch.Tensor:
+        if self.frozen and self.spec.ggml is not None:  # qweight: the GGUF bytes of the tensor
+            return ggmlreg.dequantize_rows(self.qweight, self.spec.format, self.in_features).to(dtype or torch.float32)
         if self.frozen and self.spec.fmt is not None:
             codes = packing.unpack(self.qweight, self.spec.bits, self.out_features * self.in_features)
             codes = codes.view(self.out_features, self.in_features)
@@ -206,6 +263,10 @@ class QuantLinear(nn.Module):
         if self.frozen:
             return
         p = self.current_qparams()
+        if self.spec.ggml is not None:
+            self.register_buffer("qweight", p.extra["raw"].clone())
+            self.weight, self.fixed_qparams, self.importance, self.frozen = None, None, None, True
+            return
         if self.spec.fmt is not None:
             self.register_buffer("qweight", packing.pack(self.spec.encode(self.weight, p), self.spec.bits))
             for key, value in formats.scale_storage(p, self.spec.fmt, self.spec.torch_scale_dtype).items():
@@ -229,6 +290,8 @@ class QuantLinear(nn.Module):
 
     def storage_bytes(self) -> int:
         """Bytes of the quantized weight: codes + scales + zeros (bias excluded)."""
+        if self.spec.ggml is not None:  # llama.cpp's blocks, whole
+            return self.out_features * self.in_features // self.spec.group_size * self.spec.ggml.type_size
         if self.frozen and self.spec.fmt is not None:
             return self.qweight.nbytes + sum(getattr(self, k).nbytes for k in formats.SCALE_BUFFERS
                                              if getattr(self, k, None) is not None)

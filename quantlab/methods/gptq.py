@@ -88,12 +88,16 @@ def gptq_solve(
 @torch.no_grad()
 def gptq_solve_detailed(
     w: torch.Tensor, h: torch.Tensor, spec: WeightSpec, block_size: int = 128, damp: float = 0.01,
-    act_order: bool = False, where: str = "layer",
+    act_order: bool = False, where: str = "layer", importance: torch.Tensor | None = None,
 ) -> GPTQSolution:
-    """gptq_solve, plus the damping it finally used (for the row's diagnostics).
+    """gptq_solve, plus the damping it finally used (for the row's diagnostics). importance (in,): a llama.cpp
+    type's quant_weights (imatrix row), used where its quantizer fits each block's scales.
 
     >>> sol = gptq_solve_detailed(w, h, WeightSpec(4, 64)); sol.damp > 0.01   # True if Cholesky retried
     """
+    if spec.ggml is not None and act_order:
+        raise ValueError(f"{where}: act_order needs a column order (g_idx) that llama.cpp's {spec.format} blocks "
+                         f"cannot store; leave act_order out")
     if not torch.isfinite(h).all():
         raise ValueError(f"{where}: Hessian has NaN/Inf entries")
     w, h = w.detach().clone().float(), h.detach().clone().float()
@@ -107,6 +111,9 @@ def gptq_solve_detailed(
     perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(n_cols, device=w.device)
     w, h = w[:, perm], h[perm][:, perm]
     hinv, damp_used = _upper_cholesky_of_inverse(h, damp, where)
+    if spec.ggml is not None:
+        q, raw = _ggml_columns(w, hinv, spec.ggml, importance, block_size)
+        return GPTQSolution(q, QParams(torch.empty(0), None, {"raw": raw}), damp_used)
     dynamic = spec.group_size is not None and not act_order
     scales, zeros = static.scale.clone(), None if static.zero is None else static.zero.clone()
     qmin, qmax = code_range(spec.bits, spec.symmetric)
@@ -139,6 +146,45 @@ def gptq_solve_detailed(
     inverse = torch.argsort(perm)
     p = QParams(scales, zeros) if spec.fmt is None else formats.with_scales(scales, static, spec.fmt)
     return GPTQSolution(q_all[:, inverse], p, damp_used)
+
+
+def _ggml_columns(w: torch.Tensor, hinv: torch.Tensor, t, importance: torch.Tensor | None,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's column loop on a llama.cpp type's grid -> (Q (out, in), its GGUF bytes (out, in / block * size)).
+
+    When a column opens a block, the type's own quantizer fits that block's scales and mins on the error-updated
+    weights (as GPTQModel does for q4_k); each column then takes the nearest level of its position's grid
+    (levels * scale + offset, which is the type's dequantization exactly), and the block is stored with the codes
+    GPTQ chose (repack)."""
+    rows, n_cols = w.shape
+    b = t.block
+    raw = torch.empty(rows, n_cols // b, t.type_size, dtype=torch.uint8, device=w.device)
+    levels = t.levels.to(w.device)
+    q_all = torch.zeros_like(w)
+    for i1 in range(0, n_cols, block_size):
+        i2 = min(i1 + block_size, n_cols)
+        w1, err1 = w[:, i1:i2].clone(), torch.zeros(rows, i2 - i1, device=w.device)
+        for i in range(i2 - i1):
+            col = i1 + i
+            j = col % b
+            if j == 0:  # fit the block on the error-updated weights of its columns
+                block = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :b].contiguous()
+                imp = None if importance is None else importance[col:col + b].float().expand(rows, b).contiguous()
+                fitted = t.quantize(block, imp)  # (rows, type_size): one block per row
+                scale, offset = t.grid(fitted)  # (rows, b)
+                codes = torch.empty(rows, b, dtype=torch.uint8, device=w.device)
+            candidates = levels[None, :] * scale[:, j:j + 1] + offset[:, j:j + 1]  # (rows, n_levels)
+            code = (candidates - w1[:, i:i + 1]).abs().argmin(dim=1)
+            q = candidates.gather(1, code[:, None])[:, 0]
+            codes[:, j] = code.to(torch.uint8)
+            if j == b - 1:
+                raw[:, col // b] = t.repack(fitted, codes)
+            q_all[:, col] = q
+            err = (w1[:, i] - q) / hinv[col, col]
+            w1[:, i:].addr_(err, hinv[col, col:i2], alpha=-1)
+            err1[:, i] = err
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    return q_all, raw.reshape(rows, -1)
 
 
 def _stages(block, config: GPTQConfig, model_type: str | None) -> list[list[str]]:
@@ -183,7 +229,8 @@ class GPTQ(Method):
                 for name in stage:
                     layer, where = layers[name], f"{prefix[id(block)]}.{name}"
                     sol = gptq_solve_detailed(layer.weight, observers[name].compute(where), layer.spec,
-                                              config.block_size, config.damp, config.act_order, where)
+                                              config.block_size, config.damp, config.act_order, where,
+                                              layer.importance)
                     layer.weight.data.copy_(sol.q.to(layer.weight.dtype))
                     layer.fixed_qparams = sol.qparams
                     layer.quant_enabled = True
