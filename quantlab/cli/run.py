@@ -33,6 +33,20 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from ..runs.experiment import load_experiment
+    from ..runs.export import export_run
+
+    exp = load_experiment(args.experiment)
+    facts = export_run(exp, args.run, args.out, args.format, args.requantize, args.data_dir, args.cache_dir,
+                       progress=not args.quiet)
+    print(f"wrote {facts['gguf_path']} ({facts['gguf_mib']:.1f} MiB): "
+          + ", ".join(f"{n} {t}" for t, n in facts["gguf_types"].items()))
+    if facts["gguf_requantized"]:
+        print(f"requantized to {args.requantize}: {len(facts['gguf_requantized'])} layers")
+    return 0
+
+
 def _check_full_name(path, name: str) -> None:
     """--full reports as <name>_full: say so when that, not the name in the file, is what runs past the limit."""
     from ..util.checks import NAME_MAX_BYTES
@@ -97,7 +111,7 @@ def cmd_compare(args) -> int:
 
 
 def add_commands(sub) -> None:
-    """Register run / report / compare on the main parser's subparsers."""
+    """Register run / report / compare / export on the main parser's subparsers."""
     p = sub.add_parser("run", help="run an experiment file and write reports/<name>.csv/.md")
     p.add_argument("experiment")
     p.add_argument("--force", action="store_true", help="rerun runs already in the results file")
@@ -125,3 +139,12 @@ def add_commands(sub) -> None:
     p.add_argument("--metrics", help="comma-separated columns (default: the usual metrics both have)")
     p.add_argument("--out", help="also write the comparison as Markdown here")
     p.set_defaults(func=cmd_compare)
+    p = sub.add_parser("export", help="quantize one run of an experiment and write it for an engine (a GGUF for "
+                                      "llama.cpp)")
+    p.add_argument("experiment", help="the experiment TOML file")
+    p.add_argument("out", help="the file to write, e.g. out/model-q4_k_m.gguf")
+    p.add_argument("--run", required=True, help="the run's name in the experiment")
+    p.add_argument("--format", default="gguf", choices=["gguf"], help="the file format (default gguf)")
+    p.add_argument("--requantize", metavar="TYPE", default=None,
+                   help="quantize layers whose grid has no GGUF type to this llama.cpp type (q4_k, q8_0, ...); "
+                        "the file lists them under quantlab.requantized")

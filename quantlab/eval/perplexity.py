@@ -19,6 +19,9 @@ exist only chunk by chunk (memory independent of the number of KL windows, and e
     ref = reference_logprobs(float_model, windows[:8])      # stored: memory grows with windows
     perplexity(q, windows, ref)
     perplexity(q, windows, float_model, kl_windows=8)       # on the fly: bounded memory, exact
+
+Per-token statistics as llama.cpp's `llama-perplexity --kl-divergence` reports them (kl_token_stats; the
+per-token values kept are KL windows x seq_len float64 numbers, nothing of vocabulary size).
 """
 from __future__ import annotations
 
@@ -110,7 +113,8 @@ class _Scorer:
 
 
 def _batch_stats(model, ids: torch.Tensor, ref, n_kl: int, chunk: int) -> dict:
-    """Per-window NLL sums (B,), and over the first n_kl windows KL sum, top-1 agreements and KL tokens.
+    """Per-window NLL sums (B,), and over the first n_kl windows KL sum, top-1 agreements and KL tokens, plus
+    per-token KL (n_kl, T), same top token (n_kl, T) and Δp of the next token (n_kl, T - 1), float64 on CPU.
 
     ref: None, a _Scorer of the reference model, or a list of (T, V) log-probs (one per window)."""
     b, t = ids.shape
@@ -119,6 +123,7 @@ def _batch_stats(model, ids: torch.Tensor, ref, n_kl: int, chunk: int) -> dict:
     targets = ids[:, 1:].to(device)
     nll = torch.zeros(b, dtype=torch.float64, device=device)
     kl, agree = torch.zeros((), dtype=torch.float64, device=device), 0
+    token_kl, same_top, p_diff = [], [], []  # per-token parts, (n_kl, c) each
     for c0 in range(0, t, chunk):
         c1 = min(c0 + chunk, t)
         logits = scorer.logits(c0, c1)  # (B, c, V)
@@ -134,10 +139,87 @@ def _batch_stats(model, ids: torch.Tensor, ref, n_kl: int, chunk: int) -> dict:
                 logp = r - torch.logsumexp(r, dim=-1, keepdim=True)
             else:
                 logp = torch.stack([ref[i][c0:c1] for i in range(n_kl)]).to(device)
-            kl += (logp.exp() * (logp - logq)).double().sum()
-            agree += int((logq.argmax(-1) == logp.argmax(-1)).sum())
+            term = (logp.exp() * (logp - logq)).double()  # (k, c, V); the sum below is kl_mean's, unchanged
+            kl += term.sum()
+            token_kl.append(term.sum(-1).cpu())
+            del term
+            same = logq.argmax(-1) == logp.argmax(-1)  # (k, c)
+            agree += int(same.sum())
+            same_top.append(same.cpu())
+            if n > 0:  # Δp = p_model(next token) - p_ref(next token), llama.cpp's p_diff
+                tgt = targets[:n_kl, c0:c0 + n, None]
+                p_diff.append((logq[:, :n].gather(-1, tgt)[..., 0].double().exp()
+                               - logp[:, :n].gather(-1, tgt)[..., 0].double().exp()).cpu())
             del logp, logq
-    return {"nll": nll.tolist(), "kl": float(kl), "agree": agree, "kl_tokens": n_kl * t}
+    out = {"nll": nll.tolist(), "kl": float(kl), "agree": agree, "kl_tokens": n_kl * t}
+    if n_kl:
+        out |= {"token_kl": torch.cat(token_kl, 1), "same_top": torch.cat(same_top, 1),
+                "p_diff": torch.cat(p_diff, 1) if p_diff else torch.zeros(n_kl, 0, dtype=torch.float64)}
+    return out
+
+
+def _mean_and_uncertainty(total: float, total_sq: float, count: int) -> tuple[float, float]:
+    """llama.cpp's mean_and_uncertainty: the mean and its standard error sqrt((E[x^2] - E[x]^2) / (n - 1)),
+    0 where the variance is not positive or count <= 10."""
+    if count < 1:
+        return 0.0, 0.0
+    mean = total / count
+    var = total_sq / count - mean * mean
+    return mean, (math.sqrt(var / (count - 1)) if var > 0 and count > 10 else 0.0)
+
+
+def _percentile(sorted_values: torch.Tensor, fraction: float) -> float:
+    """llama.cpp's percentile: linear interpolation at fraction * (n - 1) of the sorted values."""
+    n = sorted_values.numel()
+    pos = fraction * (n - 1)
+    i = int(pos)
+    w = pos - i
+    return float((1 - w) * sorted_values[i] + w * sorted_values[min(i + 1, n - 1)])
+
+
+KL_TOKEN_STATS = ("kld_mean_se", "kld_median", "kld_p99", "kld_max", "rms_dp", "rms_dp_se", "same_top_pct",
+                  "same_top_pct_se")
+
+
+def kl_token_stats(token_kl: torch.Tensor, same_top: torch.Tensor, p_diff: torch.Tensor) -> dict:
+    """Per-token KL statistics with the definitions of llama.cpp's `llama-perplexity --kl-divergence`
+    (tools/perplexity/perplexity.cpp), on quantlab's positions:
+
+    token_kl  KL(P_ref || P_model) of every scored position (any shape; nats)
+    same_top  whether the two argmaxes agree at those positions (bool, same shape)
+    p_diff    p_model(next token) - p_ref(next token) at the positions with a next token (any shape; probability)
+
+    kld_mean_se       standard error of the mean KL ("Mean KLD: m ± se"): sqrt((mean(kl^2) - mean(kl)^2) / (n - 1)),
+                      0 for n <= 10 (llama.cpp's mean_and_uncertainty); nats
+    kld_median        median KL ("Median KLD"; the mean of the two middle values for even n); nats
+    kld_p99           99th percentile of KL ("99.0% KLD"), linear interpolation at 0.99 (n - 1); nats
+    kld_max           largest KL ("Maximum KLD"); nats
+    rms_dp            100 sqrt(mean(p_diff^2)) ("RMS Δp"); percent (of probability)
+    rms_dp_se         its uncertainty, 100 se(p_diff^2) / (2 sqrt(mean(p_diff^2))), as llama.cpp; percent
+    same_top_pct      100 x the fraction of positions whose top tokens agree ("Same top p"); percent
+    same_top_pct_se   100 sqrt(f (1 - f) / (n - 1)) ("Same top p: f ± se"); percent
+
+    Differences from llama.cpp: the reference log-probs are exact fp32 (llama.cpp stores them as 16-bit codes
+    and drops terms with log p_ref <= -16), statistics are in float64, and the positions are quantlab's
+    (every position of each KL window for the KL and top-token columns, as kl_mean; every position with a next
+    token for Δp) where llama.cpp scores the second half of each n_ctx chunk.
+
+    >>> kl_token_stats(torch.tensor([0.1, 0.2, 0.0]), torch.tensor([True, True, False]), torch.tensor([0.05, -0.1]))
+    """
+    kl = token_kl.reshape(-1).double()
+    n = kl.numel()
+    if n == 0:
+        raise ValueError("kl_token_stats needs at least one KL position")
+    ordered = kl.sort().values
+    _, kld_se = _mean_and_uncertainty(float(kl.sum()), float((kl * kl).sum()), n)
+    dp2 = p_diff.reshape(-1).double() ** 2
+    mse, mse_se = _mean_and_uncertainty(float(dp2.sum()), float((dp2 * dp2).sum()), dp2.numel())
+    rms = math.sqrt(mse)
+    same = float(same_top.reshape(-1).sum()) / same_top.numel()
+    same_se = math.sqrt(same * (1 - same) / (same_top.numel() - 1)) if same_top.numel() > 1 else 0.0
+    return {"kld_mean_se": kld_se, "kld_median": _percentile(ordered, 0.5), "kld_p99": _percentile(ordered, 0.99),
+            "kld_max": float(ordered[-1]), "rms_dp": 100 * rms, "rms_dp_se": 100 * 0.5 / rms * mse_se if rms else 0.0,
+            "same_top_pct": 100 * same, "same_top_pct_se": 100 * same_se}
 
 
 def auto_batch_size(model, seq_len: int, n_windows: int, free_bytes: int | None = None) -> int:
@@ -173,7 +255,8 @@ def perplexity(model, windows: torch.Tensor, reference: list[torch.Tensor] | nn.
                progress: bool = True, kl_windows: int | None = None, batch_size: int | None = None,
                chunk: int = LOSS_CHUNK, gemm: str = "auto") -> dict:
     """{'ppl', 'nll_mean', 'predicted_tokens', 'window_nll', 'eval_batch_size', and with a reference: 'kl_mean',
-    'top1_agree', 'kl_tokens'}.
+    'top1_agree', 'kl_tokens' and llama.cpp's per-token statistics (kl_token_stats: 'kld_mean_se', 'kld_median',
+    'kld_p99', 'kld_max', 'rms_dp', 'rms_dp_se', 'same_top_pct', 'same_top_pct_se')}.
 
     windows: (n, T) token ids. reference: reference_logprobs() of the first k <= n windows, or the reference
     model itself, run on each of the first `kl_windows` windows (default: all) right before `model` (adds
@@ -193,6 +276,7 @@ def perplexity(model, windows: torch.Tensor, reference: list[torch.Tensor] | nn.
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1 or None (from free memory), got {batch_size!r}")
     window_nll, kl_sum, agree, kl_tokens, reference_s = [], 0.0, 0, 0, 0.0
+    per_token = {"token_kl": [], "same_top": [], "p_diff": []}  # kl_token_stats' inputs, one part per batch
     bar = tqdm(total=len(windows), desc="perplexity", leave=False, disable=not progress)
     gemm = resolve_gemm(gemm, _device(model))
     with cached_weights(model), onednn_linear(gemm == "onednn"):  # each quantized weight dequantized once
@@ -211,6 +295,9 @@ def perplexity(model, windows: torch.Tensor, reference: list[torch.Tensor] | nn.
             del ref
             window_nll += stats["nll"]
             kl_sum, agree, kl_tokens = kl_sum + stats["kl"], agree + stats["agree"], kl_tokens + stats["kl_tokens"]
+            for key, parts in per_token.items():
+                if key in stats:
+                    parts.append(stats[key])
             bar.update(len(ids))
     bar.close()
     predicted = windows.shape[0] * (windows.shape[1] - 1)
@@ -219,6 +306,8 @@ def perplexity(model, windows: torch.Tensor, reference: list[torch.Tensor] | nn.
            "eval_batch_size": batch_size, "eval_gemm": gemm}
     if k:
         out.update(kl_mean=kl_sum / kl_tokens, top1_agree=agree / kl_tokens, kl_tokens=kl_tokens)
+        out.update(kl_token_stats(*(torch.cat([p.reshape(-1) for p in per_token[key]])
+                                    for key in ("token_kl", "same_top", "p_diff"))))
     if ref_model is not None:
         out["kl_reference_s"] = reference_s
     return out

@@ -17,7 +17,7 @@ class Embedding(RunExtra):
     stage = AFTER_EXPORT
 
     def refusal(self, config: EmbeddingQuantConfig, backend: str) -> str | None:
-        return "does not export a quantized embedding (embedding = {...})" if backend == "onnxruntime" else None
+        return "does not export a quantized embedding (embedding = {...})" if backend in ("onnxruntime", "llama.cpp") else None
 
     @contextlib.contextmanager
     def apply(self, model, config: EmbeddingQuantConfig):

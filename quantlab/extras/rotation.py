@@ -22,7 +22,7 @@ class Rotation(RunExtra):
     stage = BEFORE_QUANTIZE
 
     def refusal(self, config: RotationConfig, backend: str) -> str | None:
-        if backend == "onnxruntime":
+        if backend in ("onnxruntime", "llama.cpp"):
             return "does not export a rotation (rotation = {...})"
         if (config.r4 or config.scope == "online") and backend != "simulated":
             return ("does not run the online Hadamard of a rotation with r4 = true or scope 'online' (a PyTorch hook "

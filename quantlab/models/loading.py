@@ -205,7 +205,23 @@ def _converted_dir(name: str, cache_dir: str | Path | None) -> Path:
 
 
 def convert_gguf_alias(name: str, cache_dir: Path) -> Path:
-    """Dequantize the alias's GGUF once into a safetensors checkpoint; returns its directory.
+    """Dequantize the alias's GGUF once into a safetensors checkpoint; returns its directory."""
+    alias = ALIASES[name]
+    source = {"alias": name, "package": alias.pip_name, "gguf_file": alias.gguf_file, "note": alias.note,
+              **({"chunks": [c.pip_name for c in alias.chunks], "sha256": alias.sha256} if alias.chunks else {})}
+    return convert_gguf(_converted_dir(name, cache_dir), lambda: alias_gguf_path(name, cache_dir), source)
+
+
+def convert_gguf_file(path: str | Path, cache_dir: Path) -> Path:
+    """A .gguf model path, dequantized once into a safetensors checkpoint (cached by the file's sha256)."""
+    path = Path(path).expanduser().resolve()
+    digest = _file_sha256(path)
+    target = Path(cache_dir) / "models" / f"{path.stem}-{digest[:12]}"
+    return convert_gguf(target, lambda: path, {"gguf_path": str(path), "sha256": digest})
+
+
+def convert_gguf(target: Path, gguf_path_fn, source: dict) -> Path:
+    """Dequantize a GGUF into a safetensors checkpoint at target (once); source goes into quantlab_source.json.
 
     save_pretrained refuses a GGUF-loaded model, so the state dict is moved into a
     fresh model built from the config without its quantization_config. The
@@ -214,12 +230,10 @@ def convert_gguf_alias(name: str, cache_dir: Path) -> Path:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    alias = ALIASES[name]
-    target = _converted_dir(name, cache_dir)
     if (target / "quantlab_source.json").exists():
         return target
-    gguf_path = alias_gguf_path(name, cache_dir)
-    log.info("converting %s from %s (one time, 30-60 s)", name, gguf_path)
+    gguf_path = gguf_path_fn()
+    log.info("converting %s (one time, 30-60 s)", gguf_path)
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     config = gguf_model.config
@@ -228,12 +242,10 @@ def convert_gguf_alias(name: str, cache_dir: Path) -> Path:
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(gguf_model.state_dict())
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         fresh.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        source = {"alias": name, "package": alias.pip_name, "gguf_file": alias.gguf_file, "note": alias.note,
-                  **({"chunks": [c.pip_name for c in alias.chunks], "sha256": alias.sha256} if alias.chunks else {})}
         (tmp / "quantlab_source.json").write_text(json.dumps(source, indent=1))
         if target.exists():
             shutil.rmtree(target)
@@ -250,7 +262,28 @@ def resolve_model_path(name_or_path: str, cache_dir: str | Path | None = None) -
         return str(_alias_package_dir(alias) / alias.subdir)
     if alias is not None:
         return str(convert_gguf_alias(name_or_path, Path(cache_dir or default_cache_dir())))
+    if name_or_path.endswith(".gguf") and Path(name_or_path).expanduser().is_file():
+        return str(convert_gguf_file(name_or_path, Path(cache_dir or default_cache_dir())))
     return name_or_path
+
+
+def source_gguf(name_or_path: str, cache_dir: str | Path | None = None) -> Path | None:
+    """The GGUF a model came from, whose tokenizer and metadata a GGUF export reuses: a GGUF alias' file, a .gguf
+    path itself, a checkpoint quantlab converted from an alias (its quantlab_source.json); else None."""
+    alias = ALIASES.get(name_or_path)
+    if isinstance(alias, GGUFAlias):
+        return alias_gguf_path(name_or_path, cache_dir)
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    marker = path / "quantlab_source.json"
+    if marker.is_file():
+        source = json.loads(marker.read_text())
+        if isinstance(ALIASES.get(source.get("alias")), GGUFAlias):
+            return alias_gguf_path(source["alias"], cache_dir)
+        if source.get("gguf_path") and Path(source["gguf_path"]).is_file():
+            return Path(source["gguf_path"])
+    return None
 
 
 # GGUF architectures whose config transformers builds by renaming metadata keys alone (no special cases),

@@ -30,7 +30,7 @@ from ..eval import measure_latency, peak_memory_mib, perplexity, reset_peak_memo
 from ..eval.embedding import embedding_fidelity, layer_output_errors, mean_pooled_embeddings, sentences_from_text
 from ..eval.lmeval import check_tasks, run_lm_eval
 from ..eval.memprobe import isolated_run_memory
-from ..eval.perplexity import KL_REFERENCE_ON_THE_FLY
+from ..eval.perplexity import KL_REFERENCE_ON_THE_FLY, KL_TOKEN_STATS
 from ..models.data import (
     bos_description,
     bos_token_id,
@@ -42,7 +42,7 @@ from ..models.data import (
     split_counts,
     tokenize,
 )
-from ..models.loading import default_cache_dir, load_model, model_info
+from ..models.loading import default_cache_dir, load_model, model_info, source_gguf
 from ..reporting.report import LATENCY_REF, SPEED_COLUMNS, scheme
 from .experiment import Experiment, RunSpec
 
@@ -170,6 +170,8 @@ def _perplexity_metrics(ctx: EvalContext, model) -> dict:
         ppl["kl_reference_s"] = (ppl.get("kl_reference_s") or 0.0) + domains.pop("domains_kl_reference_s")
     return {"ppl": ppl["ppl"], "nll_mean": ppl["nll_mean"], "kl_mean": ppl.get("kl_mean"),
             "top1_agree": ppl.get("top1_agree"), "kl_tokens": ppl.get("kl_tokens", 0),
+            # llama-perplexity --kl-divergence's statistics (eval/perplexity.kl_token_stats)
+            **{k: ppl.get(k) for k in KL_TOKEN_STATS},
             "kl_reference": KL_REFERENCE_ON_THE_FLY if reference else None, "kl_reference_s": ppl.get("kl_reference_s"),
             "predicted_tokens": ppl["predicted_tokens"], "eval_windows": len(ctx.windows),
             "eval_batch_size": ppl["eval_batch_size"], "eval_gemm": ppl["eval_gemm"],
@@ -218,6 +220,10 @@ def _apply_extras(stack: contextlib.ExitStack, run: RunSpec, stage: str, model) 
     return fields
 
 
+def _source_gguf(ctx: EvalContext, run: RunSpec):
+    return source_gguf(ctx.exp.model, ctx.cache_dir) if run.backend == "llama.cpp" else None
+
+
 def evaluate_run(ctx: EvalContext, run: RunSpec) -> dict:
     """Quantize a copy of the float model as the run says (its extras applied around it), evaluate it and return
     the run's metrics. The run owns its extras: each is entered at its stage and left, in reverse order, when the
@@ -241,7 +247,7 @@ def evaluate_run(ctx: EvalContext, run: RunSpec) -> dict:
         isolated = _isolated_memory(ctx, run, model, method) if exp.eval.memory == "isolated" else {}
         onnx_dir = Path(ctx.cache_dir or default_cache_dir()) / "onnx" / run_key(exp, run, ctx.device)
         evaluated, exported = export_for_run(model, run.backend, not method.baseline, ctx.eval_ids[:64].unsqueeze(0),
-                                             onnx_dir)
+                                             onnx_dir, _source_gguf(ctx, run), exp.eval.seq_len)
         applied |= _apply_extras(extras, run, AFTER_EXPORT, model)  # methods calibrated on the float embedding
         row = _measure(ctx, run, model, evaluated, _is_float_model(run, method, model, evaluated))
     if isolated:  # every memory column from the fresh process (or memory_probe saying why there are none)

@@ -39,7 +39,7 @@ class RunSpec:
     config: Any
     seed: int | None = None  # set when the run is one of a `seeds` list; None: the experiment's seed
     group: str | None = None  # the run's name before seed expansion ("gptq-w4" for "gptq-w4-seed1")
-    backend: str = "simulated"  # "simulated" | "torchao" | "auto" | "onnxruntime": real kernels for evaluating
+    backend: str = "simulated"  # "simulated" | "torchao" | "auto" | "onnxruntime" | "llama.cpp": real kernels
     # run extras (core/extras.py): ((RunExtra, config), ...) in registry order, or {key: table} (`rotation = {...}`,
     # `kv_cache = {...}`, `embedding = {...}`), parsed here
     extras: Any = ()
@@ -111,6 +111,29 @@ class Experiment:
                 from ..backends.ort import check_ort_run
 
                 check_ort_run(self, r)
+            if r.backend == "llama.cpp":
+                _check_llamacpp_run(self, r)
+
+
+def _check_llamacpp_run(exp: "Experiment", run: RunSpec) -> None:
+    """backend = "llama.cpp" before any weights load: the extra is installed, the metric is perplexity, and the
+    model has a GGUF to lend the export its tokenizer."""
+    from ..backends.llamacpp import require_llamacpp
+    from ..models.loading import ALIASES, GGUFAlias
+
+    where = f"experiment {exp.name!r}: run {run.name!r}"
+    try:
+        require_llamacpp()
+    except ImportError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if exp.eval.metric != "perplexity":
+        raise ValueError(f"{where}: backend 'llama.cpp' runs causal LMs (metric 'perplexity'), not {exp.eval.metric!r}")
+    model = exp.model
+    if not (isinstance(ALIASES.get(model), GGUFAlias) or str(model).endswith(".gguf")
+            or (Path(model).expanduser() / "quantlab_source.json").is_file()):
+        raise ValueError(f"{where}: backend 'llama.cpp' writes a GGUF whose tokenizer comes from the model's own "
+                         f"GGUF; model {model!r} has none (GGUF aliases: "
+                         f"{', '.join(n for n, a in ALIASES.items() if isinstance(a, GGUFAlias))}, or a .gguf path)")
 
 
 def _check_seeds(seeds, where: str) -> tuple[int, ...]:
