@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Any, Iterable
 
@@ -13,9 +14,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .ggml.recipes import row_fallback
+from .ggml.registry import GGML_TYPES
 from .overrides import LayerOverride, check_overrides_match, spec_for
 from .qlinear import QuantLinear, WeightSpec
 from .registry import LayerSelection, get_method
+
+log = logging.getLogger(__name__)
 
 
 def linearize_conv1d(model: nn.Module) -> list[str]:
@@ -89,8 +94,23 @@ def swap_in_quant_linears(
         if bad.any():  # a NaN / Inf scale would silently turn the whole group (or row) into NaN
             raise ValueError(f"{name}: weight has {int(bad.sum())} NaN/Inf value(s) (first at index "
                              f"{tuple(bad.nonzero()[0].tolist())}); cannot quantize it")
-        set_submodule(model, name, QuantLinear.from_linear(linear, spec_for(spec, overrides, name)))
+        layer_spec = spec_for(spec, overrides, name)
+        if layer_spec.ggml is not None and linear.in_features % layer_spec.ggml.block:
+            layer_spec = _ggml_fallback(name, linear, layer_spec)
+        set_submodule(model, name, QuantLinear.from_linear(linear, layer_spec))
     return [n for n, _ in chosen]
+
+
+def _ggml_fallback(name: str, linear: nn.Linear, spec: WeightSpec) -> WeightSpec:
+    """A llama.cpp type whose blocks do not tile the layer's rows: the type llama.cpp falls back to there (logged;
+    the row's ggml_fallbacks counts them), or an error naming the layer where none fits."""
+    new = row_fallback(spec.format, linear.in_features)
+    if new not in GGML_TYPES:
+        raise ValueError(f"{name}: {linear.in_features} input columns are not whole {spec.format} blocks of "
+                         f"{spec.ggml.block}, and llama.cpp's fallback ({new}) is no quantized type")
+    log.info("%s: %d input columns are not whole %s blocks of %d; llama.cpp's fallback %s instead", name,
+             linear.in_features, spec.format, spec.ggml.block, new)
+    return WeightSpec(format=new)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ CPU peaks come from a fresh process: quantlab.eval.memprobe (the runner's [eval]
 from __future__ import annotations
 
 import gc
+import json
 
 import torch
 from torch import nn
@@ -59,7 +60,19 @@ def weight_stats(model: nn.Module) -> dict:
         "bits_per_weight": 8 * qbytes / numel if numel else 8.0 * float_size,
         "embedding_bytes": embedding_bytes,
         "weight_mib_no_embedding": (total - embedding_bytes) / MIB,
+        **_ggml_formats(qlayers),
     }
+
+
+def _ggml_formats(qlayers: list) -> dict:
+    """ggml_layer_types: how many quantized linears hold each llama.cpp type (where any does), so a type that fell
+    back on rows it does not tile (q4_k -> q5_0 on 576 columns) shows in the row."""
+    counts = {}
+    for m in qlayers:
+        spec = getattr(m, "spec", None)
+        if spec is not None and spec.ggml is not None:
+            counts[spec.format] = counts.get(spec.format, 0) + 1
+    return {"ggml_layer_types": json.dumps(dict(sorted(counts.items())))} if counts else {}
 
 
 def _persistent_buffers(module: nn.Module) -> list[torch.Tensor]:

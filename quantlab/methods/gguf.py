@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..calibration.imatrix import check_imatrix, collect_imatrix, load_imatrix
+from ..calibration.imatrix import check_imatrix, collect_imatrix, load_imatrix, read_imatrix
 from ..core.ggml import names
 from ..core.ggml.gguffile import read_gguf, read_metadata
 from ..core.ggml.recipes import FTYPES, check_ftype, recipe_types
@@ -57,14 +57,17 @@ class GGUFConfig:
                              f"(a GGUF to import); got type = {self.type!r}, file = {self.file!r}")
         if self.type is not None:
             check_ftype(self.type)
-        if self.file is not None:
-            read_metadata(self.file)  # exists and parses: fails before any weights load
+        if self.file is not None:  # exists, parses and is an architecture quantlab maps: before any weights load
+            arch = read_metadata(self.file).get("general.architecture")
+            if arch not in set(names.GGUF_ARCHS.values()):
+                raise ValueError(f"gguf: {self.file} holds a {arch!r} model; quantlab reads GGUF architectures "
+                                 f"{', '.join(sorted(set(names.GGUF_ARCHS.values())))}")
             if self.imatrix is not False:
                 raise ValueError("gguf: imatrix applies to a recipe (type = ...); an imported file is already quantized")
         if not isinstance(self.imatrix, (bool, str)):
             raise ValueError(f"gguf: imatrix must be true, false or a file path, got {self.imatrix!r}")
-        if isinstance(self.imatrix, str) and not Path(self.imatrix).is_file():
-            raise FileNotFoundError(f"gguf: imatrix file {self.imatrix!r} does not exist")
+        if isinstance(self.imatrix, str):
+            read_imatrix(self.imatrix)  # exists and parses (named errors), before any weights load
 
 
 def _recipe(model: nn.Module, ftype: str, imatrix: bool) -> dict:

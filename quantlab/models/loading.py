@@ -354,6 +354,8 @@ def load_model_config(name_or_path: str, cache_dir: str | Path | None = None):
         if alias.chunks:
             return _fast_gguf_config(chunk_paths(alias)[0]) or gguf_config(alias_gguf_path(name_or_path, cache_dir))
         return gguf_config(_alias_package_dir(alias) / alias.gguf_file)
+    if name_or_path.endswith(".gguf") and Path(name_or_path).expanduser().is_file():
+        return gguf_config(Path(name_or_path).expanduser())
     return AutoConfig.from_pretrained(resolve_model_path(name_or_path, cache_dir))
 
 

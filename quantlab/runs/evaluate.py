@@ -286,8 +286,14 @@ def _measure(ctx: EvalContext, run: RunSpec, model, evaluated, is_float: bool) -
         if not is_float:  # paired: the float model just before
             ref = measure_latency(ctx.model, prompt, new_tokens, repeats=exp.eval.latency_repeats)
             row.update({LATENCY_REF + col: ref[col] for _, col in SPEED_COLUMNS if col in ref})
-        # a kv_cache extra is applied to the model: measure_latency decodes on its quantized cache
-        row.update(measure_latency(evaluated, prompt, new_tokens, repeats=exp.eval.latency_repeats))
+        if run.backend == "llama.cpp":  # llama.cpp's own prefill and decode (batch 1) on the GGUF it evaluated
+            from ..backends.llamacpp import measure_llamacpp_latency
+
+            row.update(measure_llamacpp_latency(evaluated.gguf.path, prompt.shape[1], max(new_tokens, 1), (1,),
+                                                threads=torch.get_num_threads(),
+                                                repeats=exp.eval.latency_repeats)[1])
+        else:  # a kv_cache extra is applied to the model: measure_latency decodes on its quantized cache
+            row.update(measure_latency(evaluated, prompt, new_tokens, repeats=exp.eval.latency_repeats))
     return row
 
 

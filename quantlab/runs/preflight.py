@@ -10,6 +10,7 @@ models/arch.py arch_for), from the same config fields.
 """
 from __future__ import annotations
 
+from ..core.ggml.gguffile import read_header
 from ..core.registry import get_method, nested_configs
 from ..eval.estimate import load_config
 from ..models.arch import arch_for
@@ -21,6 +22,8 @@ def preflight(exp, runs, cache_dir=None, config=None) -> None:
     runs = list(runs)
     if not runs:
         return
+    if str(exp.model).endswith(".gguf"):  # a truncated or corrupt file fails here, named, before transformers reads it
+        read_header(exp.model)
     config = config if config is not None else load_config(exp.model, cache_dir)
     max_positions = getattr(config, "max_position_embeddings", None)  # as EvalContext reads it (model_info)
     where = f"model {exp.model!r}"

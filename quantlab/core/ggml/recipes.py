@@ -244,6 +244,16 @@ def _fallback(ne0: int, chosen: str) -> tuple[str, str | None, str]:
     return new, chosen, f"; {ne0} columns are not whole {chosen} blocks of {block}: falls back to {new}"
 
 
+def row_fallback(type_name: str, in_features: int) -> str:
+    """The type llama.cpp stores a tensor of type_name in when its rows (in_features) are not whole blocks of it
+    (tensor_type_fallback: q4_k -> q5_0, q6_k -> q8_0, ...; f16 where no block fits); type_name where they are.
+
+    >>> row_fallback("q4_k", 576), row_fallback("q4_k", 1536)
+    ('q5_0', 'q4_k')
+    """
+    return _fallback(in_features, type_name)[0]
+
+
 def check_ftype(ftype: str) -> str:
     """The ftype's name, or ValueError naming the known ones."""
     if ftype not in _FTYPES:
@@ -322,4 +332,4 @@ def gguf_recipe_inputs(path: str | Path) -> dict:
 
 
 __all__ = ["FTYPES", "FTYPE_IDS", "TensorChoice", "block_size", "check_ftype", "gguf_recipe_inputs", "kept_reason",
-           "read_gguf_header", "recipe_types", "use_more_bits"]
+           "read_gguf_header", "recipe_types", "row_fallback", "use_more_bits"]
