@@ -25,6 +25,7 @@ from ..core.qlinear import QuantLinear, WeightSpec
 from ..core.registry import Method, register_method
 from ..models.arch import ARCH
 from ..util.checks import check_int
+from ..util.device import single_threaded
 from .rtn import RTNConfig
 
 log = logging.getLogger(__name__)
@@ -170,8 +171,9 @@ def _ggml_columns(w: torch.Tensor, hinv: torch.Tensor, t, importance: torch.Tens
             if j == 0:  # fit the block on the error-updated weights of its columns
                 block = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :b].contiguous()
                 imp = None if importance is None else importance[col:col + b].float().expand(rows, b).contiguous()
-                fitted = t.quantize(block, imp)  # (rows, type_size): one block per row
-                scale, offset = t.grid(fitted)  # (rows, b)
+                with single_threaded(w.device):  # the ported quantizer: small ops, faster on one thread
+                    fitted = t.quantize(block, imp)  # (rows, type_size): one block per row
+                    scale, offset = t.grid(fitted)  # (rows, b)
                 codes = torch.empty(rows, b, dtype=torch.uint8, device=w.device)
             candidates = levels[None, :] * scale[:, j:j + 1] + offset[:, j:j + 1]  # (rows, n_levels)
             code = (candidates - w1[:, i:i + 1]).abs().argmin(dim=1)

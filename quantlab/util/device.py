@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 import statistics
 import time
 
@@ -40,3 +42,20 @@ def matmul_ms(dtype: torch.dtype, device: torch.device, size: int = 512, budget_
     finally:
         torch.set_num_threads(threads)
     return 1e3 * statistics.median(times)
+
+
+@contextlib.contextmanager
+def single_threaded(device: torch.device | str = "cpu"):
+    """One CPU thread inside the block (restored after): many small elementwise ops (the block-by-block quantizer
+    ports of core/ggml) run several times faster than with a thread pool, which on a busy 2-core machine times the
+    scheduler (seen here: 50x slower with 2 threads while another job held the cores). Not thread-safe: torch's
+    thread count is process-wide. A no-op off CPU or at one thread already."""
+    threads = torch.get_num_threads()
+    if torch.device(device).type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

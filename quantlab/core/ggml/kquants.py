@@ -15,8 +15,6 @@ code's float32 evaluation order (see common.py); the byte layouts are ggml-commo
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
 from .common import (
@@ -36,6 +34,7 @@ from .common import (
     wrap_i8,
     wrap_u8,
 )
+from ...util.device import single_threaded
 from .types import GGMLType
 
 QK_K = 256
@@ -356,19 +355,6 @@ def _q2_k_repack(raw, codes):
 CPU_CHUNK_BLOCKS = 2048
 
 
-@contextmanager
-def _single_threaded(device: torch.device):
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _chunked(name: str, type_size: int, quantize):
     def run(x: torch.Tensor, imp: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != QK_K:
@@ -380,7 +366,7 @@ def _chunked(name: str, type_size: int, quantize):
         if x.shape[0] == 0:
             return torch.zeros(0, type_size, dtype=_U8, device=x.device)
         step = CPU_CHUNK_BLOCKS if x.device.type == "cpu" else x.shape[0]
-        with _single_threaded(x.device):
+        with single_threaded(x.device):
             parts = [quantize(x[i:i + step], None if imp is None else imp[i:i + step])
                      for i in range(0, x.shape[0], step)]
         return torch.cat(parts) if len(parts) != 1 else parts[0]

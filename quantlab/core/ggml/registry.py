@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import iquants, kquants, legacy
+from ...util.device import single_threaded
 from .types import GGMLType
 
 GGML_TYPES: dict[str, GGMLType] = {t.name: t for t in (*legacy.TYPES, *kquants.TYPES, *iquants.TYPES)}
@@ -51,11 +52,12 @@ def quantize_rows(w: torch.Tensor, name: str, importance: torch.Tensor | None = 
             raise ValueError(f"importance has shape {tuple(importance.shape)}; the weight has {k} input columns")
         imp = importance.detach().float().to(w.device).expand(rows, k)
         imp = _blocks(imp, t)
-    if imp is not None and t.name in ROW_SIGMA2:
-        sigma2 = legacy.row_sigma2(w.detach().float()).repeat_interleave(k // t.block)
-        raw = t.quantize(_blocks(w, t), imp, sigma2=sigma2)
-    else:
-        raw = t.quantize(_blocks(w, t), imp)
+    with single_threaded(w.device):  # small elementwise ops: one thread is faster (util/device.py)
+        if imp is not None and t.name in ROW_SIGMA2:
+            sigma2 = legacy.row_sigma2(w.detach().float()).repeat_interleave(k // t.block)
+            raw = t.quantize(_blocks(w, t), imp, sigma2=sigma2)
+        else:
+            raw = t.quantize(_blocks(w, t), imp)
     return raw.reshape(rows, k // t.block * t.type_size)
 
 
@@ -74,7 +76,8 @@ def dequantize_rows(raw: torch.Tensor, name: str, in_features: int) -> torch.Ten
     """Inverse of quantize_rows up to rounding: (rows, bytes) uint8 -> (rows, in_features) float32."""
     t = get_type(name)
     rows = raw.shape[0]
-    return t.dequantize(raw.reshape(-1, t.type_size)).reshape(rows, in_features)
+    with single_threaded(raw.device):
+        return t.dequantize(raw.reshape(-1, t.type_size)).reshape(rows, in_features)
 
 
 __all__ = ["GGML_BY_ID", "GGML_TYPES", "GGMLType", "check_row_size", "codes_rows", "has_min", "dequantize_rows", "get_type", "quantize_rows"]
