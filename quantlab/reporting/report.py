@@ -31,6 +31,8 @@ TABLE_COLUMNS = [
     ("ppl_delta_ci", "Δppl % 95% CI (paired)", "{}"),
     ("kl_mean", "KL ↓", "{:.5f}"),
     ("top1_agree", "top-1 ↑", "{:.4f}"),
+    ("kld_p99", "KLD p99 ↓", "{:.4f}"),  # llama-perplexity --kl-divergence's statistics (eval/perplexity.py)
+    ("rms_dp", "RMS Δp % ↓", "{:.2f}"),
     ("cos_mean", "cos mean ↑", "{:.5f}"),
     ("cos_p5", "cos p5 ↑", "{:.5f}"),
     ("layer_rel_err_mean", "layer rel err mean ↓", "{:.4f}"),
@@ -39,6 +41,7 @@ TABLE_COLUMNS = [
     ("weight_mib_no_embedding", "weights MiB w/o embedding", "{:.1f}"),
     ("weight_ratio", "× weights", "{:.3f}"),
     ("bits_per_weight", "bits/w (quantized layers)", "{:.3f}"),
+    ("gguf_bpw", "GGUF bits/w (whole file)", "{:.3f}"),  # method gguf: every tensor, as llama.cpp counts
     ("peak_rss_mib", "peak RSS MiB (isolated)", "{:.0f}"),
     ("peak_vram_mib", "peak VRAM MiB", "{:.0f}"),
     ("prefill_ms_p50", "prefill ms p50", "{:.1f}"),
@@ -53,7 +56,7 @@ TABLE_COLUMNS = [
     ("train_dtype", "train dtype", "{}"),
 ]
 # the best value of these columns (among the quantized runs) is bold in the Markdown table
-LOWER_IS_BETTER = {"ppl", "ppl_delta_pct", "kl_mean", "layer_rel_err_mean", "layer_rel_err_max", "weight_mib",
+LOWER_IS_BETTER = {"ppl", "ppl_delta_pct", "kl_mean", "kld_p99", "rms_dp", "gguf_bpw", "layer_rel_err_mean", "layer_rel_err_max", "weight_mib",
                    "weight_ratio", "bits_per_weight", "prefill_ms_p50", "decode_ms_per_token_p50", "peak_rss_mib",
                    "peak_vram_mib", "weight_mib_no_embedding"}
 HIGHER_IS_BETTER = {"top1_agree", "cos_mean", "cos_p5", "decode_speedup", "prefill_speedup"}
