@@ -23,7 +23,10 @@ def grid_fields(config: Any, dtype: str = "float32") -> dict:
     """
     method = get_method(config)
     spec = method.weight_spec_for(config)
-    if spec is None:
+    mix = method.grid_for(config)
+    if mix is not None:
+        weights = mix
+    elif spec is None:
         weights = {"bits": DTYPE_BITS.get(dtype), "group_size": None, "symmetric": None, "format": dtype}
     else:
         weights = {"bits": spec.bits, "group_size": spec.group_size, "symmetric": spec.symmetric,

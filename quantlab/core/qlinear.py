@@ -159,7 +159,7 @@ class WeightSpec:
     def describe(self) -> str:
         g = "channel" if self.group_size is None else f"g{self.group_size}"
         if self.ggml is not None:
-            return self.format
+            return f"{self.format} {g}"
         if self.fmt is None:
             return f"w{self.bits} {g} {'sym' if self.symmetric else 'asym'}"
         return f"{self.format}{'+dq' if self.double_quant else ''} {g}"

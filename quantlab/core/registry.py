@@ -76,6 +76,11 @@ class Method:
         base = getattr(config, "base", None)
         return get_method(base).weight_spec_for(base) if base is not None else None
 
+    def grid_for(self, config: Any) -> dict | None:
+        """The row's grid columns (bits, group_size, symmetric, format) where no single weight spec says them: a
+        method whose layers take a mix of grids (a llama.cpp recipe) names the mix. None: from weight_spec_for."""
+        return None
+
     def act_bits_for(self, config: Any) -> int | None:
         """Bits of its activation codes (the config's act_bits, else its base's), None where activations stay
         float."""

@@ -31,7 +31,7 @@ from torch import nn
 from ..calibration.imatrix import check_imatrix, collect_imatrix, load_imatrix, read_imatrix
 from ..core.ggml import names
 from ..core.ggml.gguffile import read_gguf, read_metadata
-from ..core.ggml.recipes import FTYPES, check_ftype, recipe_types
+from ..core.ggml.recipes import FTYPE_BASE, FTYPES, check_ftype, recipe_types
 from ..core.ggml.registry import GGML_TYPES, dequantize_rows, quantize_rows
 from ..core.lifecycle import freeze_all, quant_linears, set_submodule
 from ..core.qlinear import QuantLinear, WeightSpec
@@ -119,6 +119,14 @@ class GGUF(Method):
         if config.file is not None:
             return f"gguf file {Path(config.file).name}"
         return f"{config.type}{' imatrix' if config.imatrix else ''}"
+
+    def grid_for(self, config: GGUFConfig) -> dict | None:
+        """A recipe's grid columns: its base type's code bits, format "gguf Q4_K_M" (the types vary per tensor:
+        gguf_types); an imported file's are known once it is read (gguf_types)."""
+        if config.type is None:
+            return {"bits": None, "group_size": None, "symmetric": None, "format": "gguf file"}
+        base = GGML_TYPES[FTYPE_BASE[config.type]]
+        return {"bits": base.code_bits, "group_size": None, "symmetric": None, "format": f"gguf {config.type}"}
 
     def prepare(self, model, config: GGUFConfig) -> None:
         if config.file is not None:

@@ -53,6 +53,7 @@ _FTYPES: dict[str, tuple[str, int, str]] = {
 }
 FTYPES: dict[str, str] = {name: f"base {base}; {mix}" for name, (base, _, mix) in _FTYPES.items()}
 FTYPE_IDS: dict[str, int] = {name: ftype_id for name, (_, ftype_id, _) in _FTYPES.items()}
+FTYPE_BASE: dict[str, str] = {name: base for name, (base, _, _) in _FTYPES.items()}  # "Q4_K_M" -> "q4_k"
 
 # where a row is not whole blocks of the chosen type (tensor_type_fallback)
 _FALLBACK = {"iq4_xs": "iq4_nl", "q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
@@ -331,5 +332,5 @@ def gguf_recipe_inputs(path: str | Path) -> dict:
     }
 
 
-__all__ = ["FTYPES", "FTYPE_IDS", "TensorChoice", "block_size", "check_ftype", "gguf_recipe_inputs", "kept_reason",
+__all__ = ["FTYPES", "FTYPE_BASE", "FTYPE_IDS", "TensorChoice", "block_size", "check_ftype", "gguf_recipe_inputs", "kept_reason",
            "read_gguf_header", "recipe_types", "row_fallback", "use_more_bits"]
