@@ -317,14 +317,12 @@ def _check(ftype: str, inputs: dict, got: dict[str, str], imatrix: bool = False)
 
 
 GEMMA3_FTYPES = ("Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_XS")
+IMATRIX_SENSITIVE = ("Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS", "Q2_K", "Q4_K_M")  # Q2_K, Q4_K_M: controls
 
 
 @pytest.mark.slow
 @pytest.mark.needs_model("smollm2-135m")
 @pytest.mark.needs_model("gemma3-270m")
-IMATRIX_SENSITIVE = ("Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS", "Q2_K", "Q4_K_M")  # Q2_K, Q4_K_M: controls
-
-
 def test_types_equal_llama_cpp_quantize_on_the_real_models():
     """Reference: llama_model_quantize's dry run on the real GGUFs (SmolLM2-135M: 576 columns, so k-quant fallbacks
     everywhere; Gemma-3-270M: 640 columns, tied embeddings, n_gqa 4), every ftype on SmolLM2 and four on Gemma-3,
