@@ -106,3 +106,18 @@ def test_export_names_the_run_and_the_type_before_loading(tmp_path):
         export_run(exp, "b", tmp_path / "x.gguf")
     with pytest.raises(ValueError, match="--requantize 'q4_kk' is not a llama.cpp type; known: q4_0"):
         export_run(exp, "a", tmp_path / "x.gguf", requantize="q4_kk")
+
+
+def test_a_llama_cpp_layer_with_an_input_scale_or_activation_quantizer_has_no_gguf_form():
+    from quantlab.backends.gguf_export import layer_bytes
+    from quantlab.core.activations import DynamicActQuant
+
+    layer = QuantLinear.from_linear(torch.nn.Linear(64, 4), WeightSpec(format="q4_0"))
+    layer.freeze()
+    assert layer_bytes("l", layer, None)[0] == "q4_0"
+    layer.register_buffer("input_scale", torch.ones(64))
+    with pytest.raises(ValueError, match="l: an input scale .* has no GGUF type"):
+        layer_bytes("l", layer, "q8_0")
+    layer.input_scale, layer.act_quant = None, DynamicActQuant(8, True)
+    with pytest.raises(ValueError, match="l: quantized activations has no GGUF type"):
+        layer_bytes("l", layer, None)

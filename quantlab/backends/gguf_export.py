@@ -63,6 +63,9 @@ def _no_gguf_form(name: str, layer: QuantLinear) -> ValueError:
     fits = [t for t, g in GGML_TYPES.items() if layer.in_features % g.block == 0]
     why = ("an input scale (AWQ/SmoothQuant kept unfolded)" if layer.input_scale is not None else
            "quantized activations" if layer.act_quant is not None else f"grid {layer.spec.describe()}")
+    if layer.input_scale is not None or layer.act_quant is not None:
+        return ValueError(f"{name}: {why} has no GGUF type: llama.cpp would run the weights without it (export "
+                          f"a run whose scales fold into the weights, and weight-only)")
     return ValueError(f"{name}: {why} has no GGUF type (GGUF stores Q4_0 = w4 g32 sym fp16 scales, Q8_0 = w8 g32 "
                       f"sym, and llama.cpp's own types: use format = \"q4_0\" / \"q4_k\" ... on the method); "
                       f"requantize = \"<type>\" writes it as one of {', '.join(fits)} instead (the file says so)")
@@ -70,6 +73,8 @@ def _no_gguf_form(name: str, layer: QuantLinear) -> ValueError:
 
 def layer_bytes(name: str, layer: nn.Module, requantize: str | None) -> tuple[str, torch.Tensor, bool]:
     """(type, data, requantized) for one linear: GGUF bytes (out, row bytes) or float32 weights."""
+    if isinstance(layer, QuantLinear) and (layer.input_scale is not None or layer.act_quant is not None):
+        raise _no_gguf_form(name, layer)  # llama.cpp would run the weights without the scale / quantizer
     if isinstance(layer, QuantLinear) and layer.spec.ggml is not None:
         if not layer.frozen:
             layer.freeze()
