@@ -98,6 +98,9 @@ class AWQConfig:
         if not isinstance(base, RTNConfig) or get_method(base).name != "rtn":
             name = get_method(base).name
             raise ValueError(f"base must be a weight-only rtn config (method 'rtn'), got method {name!r}")
+        if base.observer != "minmax":
+            raise ValueError(f"awq: base.observer {base.observer!r} is not applied (AWQ searches its own clip "
+                             f"ranges: clip_search); leave the base's observer out")
         object.__setattr__(self, "base", base)
         check_int("n_grid", self.n_grid, 1, 1000)
         check_int("clip_grid", self.clip_grid, 1, 1000)

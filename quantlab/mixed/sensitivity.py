@@ -85,6 +85,9 @@ def check_config(config: Any) -> RTNConfig:
     if type(config) is not RTNConfig:  # exactly RTN: subclasses (gptq, hqq) round otherwise than spec_for says
         raise ValueError(f"sensitivity needs an 'rtn' config (per-layer, data-free), got method "
                          f"{get_method(config).name!r}; calibrated methods (gptq, awq) depend on every other layer")
+    if config.observer != "minmax":
+        raise ValueError(f"sensitivity quantizes layers with min-max ranges; observer {config.observer!r} searches "
+                         f"them from data (leave it out here)")
     return config
 
 
