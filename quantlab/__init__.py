@@ -21,6 +21,7 @@ from .eval import measure_latency, perplexity, reference_logprobs, weight_stats
 from .methods.autoround import AutoRoundConfig
 from .methods.awq import AWQConfig
 from .methods.dynamic import DynamicConfig
+from .methods.gptaq import GPTAQConfig
 from .methods.gptq import GPTQConfig
 from .methods.hqq import HQQConfig
 from .methods.lora import LoRAConfig
@@ -41,7 +42,7 @@ __all__ = [
     "measure_latency", "perplexity", "reference_logprobs", "weight_stats", "load_model", "model_info",
     "load_quantized", "save_quantized", "QuantLinear", "WeightSpec",
     # methods by config
-    "NoneConfig", "RTNConfig", "GPTQConfig", "HQQConfig", "AWQConfig", "AutoRoundConfig", "DynamicConfig",
+    "NoneConfig", "RTNConfig", "GPTQConfig", "GPTAQConfig", "HQQConfig", "AWQConfig", "AutoRoundConfig", "DynamicConfig",
     "StaticConfig", "SmoothQuantConfig", "QATConfig", "LoRAConfig", "get_method", "known_methods", "make_config",
     # experiments
     "load_experiment", "parse_experiment", "run_experiment",

@@ -22,7 +22,7 @@ from quantlab.calibration.blocks import capture_block_calls, capture_block_input
 from quantlab.calibration.smoothing import apply_scale, group_applies
 from quantlab.core.lifecycle import quant_linears
 from quantlab.core.registry import get_method, make_config
-from quantlab.methods.gptq import _stages
+from quantlab.methods.gptq import gptq_stages
 from quantlab.methods.smoothquant import collect_smoothing_stats, smooth, smoothing_groups
 from quantlab.models import loading
 from quantlab.models.arch import ARCH, find_blocks
@@ -170,7 +170,7 @@ def test_gptq_stages_follow_the_table_true_sequential():
     model = tiny_gemma(kv_heads=1)
     cfg = make_config({"method": "gptq", "bits": 4, "group_size": 16})
     get_method(cfg).prepare(model, cfg)
-    assert _stages(find_blocks(model)[1], cfg, "gemma3_text") == [
+    assert gptq_stages(find_blocks(model)[1], cfg, "gemma3_text") == [
         ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
         ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
 

@@ -170,16 +170,16 @@ def test_stages_of_the_tiny_llama_block(tiny_model, true_sequential):
     """The arch table's order (q/k/v, o, gate/up, down); a block with nothing selected has no stage at all
     (it used to get one empty stage without true_sequential: a Hessian forward pass that observed nothing)."""
     from quantlab.core.lifecycle import swap_in_quant_linears
-    from quantlab.methods.gptq import _stages
+    from quantlab.methods.gptq import gptq_stages
 
     model, _ = tiny_model
     config = GPTQConfig(true_sequential=true_sequential, include=("model.layers.0.*",))
     swap_in_quant_linears(model, config.selection, config.weight_spec)
-    stages = _stages(model.model.layers[0], config, "llama")
+    stages = gptq_stages(model.model.layers[0], config, "llama")
     expected = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
                 ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
     assert stages == (expected if true_sequential else [[n for stage in expected for n in stage]])
-    assert _stages(model.model.layers[1], config, "llama") == []
+    assert gptq_stages(model.model.layers[1], config, "llama") == []
 
 
 @pytest.mark.parametrize("true_sequential", [True, False])

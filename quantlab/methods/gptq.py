@@ -18,6 +18,7 @@ import torch
 from ..calibration import blocks
 from ..calibration.blocks import for_each_block
 from ..core import formats
+from ..core.clipping import CLIP_SEARCHES, ClipSearch, normalized_importance, search_qparams
 from ..core.lifecycle import freeze_all, swap_in_quant_linears
 from ..core.observers import HessianObserver, attach_input_observers
 from ..core.primitives import QParams, code_range
@@ -26,14 +27,18 @@ from ..core.registry import Method, register_method
 from ..models.arch import ARCH
 from ..util.checks import check_int
 from ..util.device import single_threaded
-from .rtn import RTNConfig
+from .rtn import RTNConfig, observer_suffix
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class GPTQConfig(RTNConfig):
-    """RTN's grid (bits, group_size, symmetric, scale_dtype, include, exclude) plus GPTQ's solver knobs."""
+    """RTN's grid (bits, group_size, symmetric, scale_dtype, include, exclude) plus GPTQ's solver knobs.
+
+    observer "mse" / "imatrix_mse": each group's range (fitted when GPTQ reaches its first column, on the
+    error-updated weights) is the clip search of core/clipping.py instead of min-max; imatrix_mse weighs each
+    column by diag(H) / 2, the mean x² of its input over the calibration tokens."""
 
     block_size: int = 128  # columns per lazy batch update
     damp: float = 0.01  # fraction of mean(diag H) added to the diagonal
@@ -90,9 +95,18 @@ def gptq_solve(
 def gptq_solve_detailed(
     w: torch.Tensor, h: torch.Tensor, spec: WeightSpec, block_size: int = 128, damp: float = 0.01,
     act_order: bool = False, where: str = "layer", importance: torch.Tensor | None = None,
+    clip: str = "minmax", dxxt: torch.Tensor | None = None, alpha: float = 0.25,
 ) -> GPTQSolution:
     """gptq_solve, plus the damping it finally used (for the row's diagnostics). importance (in,): a llama.cpp
-    type's quant_weights (imatrix row), used where its quantizer fits each block's scales.
+    type's quant_weights (imatrix row), used where its quantizer fits each block's scales. clip: the range rule
+    of integer grids ("minmax", or a search of core/clipping.py: "mse", "imatrix_mse" weighted by diag(H) / 2).
+
+    dxxt (in, in): GPTAQ's asymmetric term, 2/n Σ (x_float - x)ᵀ x over the calibration tokens (x: this layer's
+    inputs in the quantized model, x_float: in the float model). Then, as the GPTAQ reference (gptaq_utils.py
+    fasterquant): P = alpha · triu₁(dxxt Uᵀ) U, with U the upper Cholesky factor of H⁻¹ and triu₁ the strictly upper
+    triangle; each column's update of the block's later columns subtracts err·U[i, :] - w_i·P[i, :] (w_i read
+    before its own update), and the lazy update of later blocks subtracts Err·U - W1·P with W1 the block's columns
+    after its loop (their quantized values), as the reference does. dxxt None: plain GPTQ, bit for bit.
 
     >>> sol = gptq_solve_detailed(w, h, WeightSpec(4, 64)); sol.damp > 0.01   # True if Cholesky retried
     """
@@ -101,19 +115,24 @@ def gptq_solve_detailed(
                          f"cannot store; leave act_order out")
     if not torch.isfinite(h).all():
         raise ValueError(f"{where}: Hessian has NaN/Inf entries")
+    if clip != "minmax" and spec.fmt is not None:
+        raise ValueError(f"{where}: clip search {clip!r} works on integer grids, not {spec.format!r}")
     w, h = w.detach().clone().float(), h.detach().clone().float()
     n_cols = w.shape[1]
     dead = torch.diag(h) == 0  # columns no calibration input ever reached
+    search = None if clip == "minmax" else CLIP_SEARCHES[clip]
+    col_imp = normalized_importance(torch.diag(h) / 2) if clip == "imatrix_mse" else None  # mean x² per column
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     g = spec.group_size or n_cols
     tensor_amax = w.abs().amax()  # NVFP4's tensor scale stays that of the whole (original) weight
-    static = spec.qparams(w, tensor_amax)  # per-channel params, or act_order's groups fixed up front
+    static = _range_qparams(w, spec, search, col_imp, spec.group_size, tensor_amax)  # per channel, or act_order's
     perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(n_cols, device=w.device)
     w, h = w[:, perm], h[perm][:, perm]
     hinv, damp_used = _upper_cholesky_of_inverse(h, damp, where)
+    asym = None if dxxt is None else _gptaq_term(dxxt, dead, perm, hinv, alpha)
     if spec.ggml is not None:
-        q, raw = _ggml_columns(w, hinv, spec.ggml, importance, block_size)
+        q, raw = _ggml_columns(w, hinv, spec.ggml, importance, block_size, asym)
         return GPTQSolution(q, QParams(torch.empty(0), None, {"raw": raw}), damp_used)
     dynamic = spec.group_size is not None and not act_order
     scales, zeros = static.scale.clone(), None if static.zero is None else static.zero.clone()
@@ -126,7 +145,9 @@ def gptq_solve_detailed(
         for i in range(i2 - i1):
             col = i1 + i
             if dynamic and col % g == 0:  # group params from the error-updated weights of the group's columns
-                p = spec.qparams(torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :g], tensor_amax)
+                cols = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :g]
+                p = _range_qparams(cols, spec, search, None if col_imp is None else col_imp[col:col + g], g,
+                                   tensor_amax)
                 scales[:, col // g] = p.scale[:, 0]
                 if zeros is not None:
                     zeros[:, col // g] = p.zero[:, 0]
@@ -141,16 +162,51 @@ def gptq_solve_detailed(
                 q = (torch.clamp(torch.round(w1[:, i] / s) + z, qmin, qmax) - z) * s
             q_all[:, col] = q
             err = (w1[:, i] - q) / hinv[col, col]
-            w1[:, i:].addr_(err, hinv[col, col:i2], alpha=-1)  # rank-1 update of the block's remaining columns
+            _update_block(w1, i, err, hinv[col, col:i2], None if asym is None else asym[col, col:i2])
             err1[:, i] = err
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+        _update_rest(w, w1, err1, hinv, asym, i1, i2)
     inverse = torch.argsort(perm)
     p = QParams(scales, zeros) if spec.fmt is None else formats.with_scales(scales, static, spec.fmt)
     return GPTQSolution(q_all[:, inverse], p, damp_used)
 
 
+def _range_qparams(w: torch.Tensor, spec: WeightSpec, search: ClipSearch | None, imp: torch.Tensor | None,
+                   group_size: int | None, tensor_amax: torch.Tensor) -> QParams:
+    """The grid of w's groups: the spec's min-max rule, or the clip search (integer grids)."""
+    if search is None:
+        return spec.qparams(w, tensor_amax)
+    return search_qparams(w, spec.bits, group_size, spec.symmetric, search, imp, spec.torch_scale_dtype)
+
+
+def _gptaq_term(dxxt: torch.Tensor, dead: torch.Tensor, perm: torch.Tensor, hinv: torch.Tensor,
+                alpha: float) -> torch.Tensor:
+    """GPTAQ's P = alpha · ((dXXT Uᵀ) strictly upper) U, in the solver's column order (U: hinv)."""
+    d = dxxt.detach().clone().float()
+    d[:, dead] = 0.0
+    d = d[perm][:, perm]
+    return alpha * ((d @ hinv.T).triu_(diagonal=1)) @ hinv
+
+
+def _update_block(w1: torch.Tensor, i: int, err: torch.Tensor, hrow: torch.Tensor,
+                  prow: torch.Tensor | None) -> None:
+    """Push column i's error onto the block's columns i.. (GPTQ's rank-1 update; GPTAQ subtracts w_i·P too)."""
+    if prow is None:
+        w1[:, i:].addr_(err, hrow, alpha=-1)
+    else:  # the reference's one expression, w1[:, i] read before the update
+        w1[:, i:] -= torch.outer(err, hrow) - torch.outer(w1[:, i], prow)
+
+
+def _update_rest(w: torch.Tensor, w1: torch.Tensor, err1: torch.Tensor, hinv: torch.Tensor,
+                 asym: torch.Tensor | None, i1: int, i2: int) -> None:
+    """The lazy update of the columns after the block."""
+    if asym is None:
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    else:
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:] - w1 @ asym[i1:i2, i2:]
+
+
 def _ggml_columns(w: torch.Tensor, hinv: torch.Tensor, t, importance: torch.Tensor | None,
-                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_size: int, asym: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ's column loop on a llama.cpp type's grid -> (Q (out, in), its GGUF bytes (out, in / block * size)).
 
     When a column opens a block, the type's own quantizer fits that block's scales and mins on the error-updated
@@ -183,13 +239,13 @@ def _ggml_columns(w: torch.Tensor, hinv: torch.Tensor, t, importance: torch.Tens
                 raw[:, col // b] = t.repack(fitted, codes)
             q_all[:, col] = q
             err = (w1[:, i] - q) / hinv[col, col]
-            w1[:, i:].addr_(err, hinv[col, col:i2], alpha=-1)
+            _update_block(w1, i, err, hinv[col, col:i2], None if asym is None else asym[col, col:i2])
             err1[:, i] = err
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+        _update_rest(w, w1, err1, hinv, asym, i1, i2)
     return q_all, raw.reshape(rows, -1)
 
 
-def _stages(block, config: GPTQConfig, model_type: str | None) -> list[list[str]]:
+def gptq_stages(block, config: GPTQConfig, model_type: str | None) -> list[list[str]]:
     """Names (relative to the block) of selected QuantLinear layers, in quantization stages."""
     layers = [n for n, m in block.named_modules() if isinstance(m, QuantLinear)]
     if not config.true_sequential or model_type not in ARCH:
@@ -206,6 +262,9 @@ class GPTQ(Method):
     config_cls = GPTQConfig
     needs_calibration = True
 
+    def describe(self, config: GPTQConfig, dtype: str = "float32") -> str:
+        return super().describe(config, dtype) + observer_suffix(config)
+
     def prepare(self, model, config: GPTQConfig) -> None:
         swap_in_quant_linears(model, config.selection, config.weight_spec, config.overrides)
 
@@ -217,7 +276,7 @@ class GPTQ(Method):
         damps = []
 
         def process(index, block, inputs, kwargs):
-            stages = _stages(block, config, model_type)
+            stages = gptq_stages(block, config, model_type)
             layers = {n: block.get_submodule(n) for stage in stages for n in stage}
             for layer in layers.values():
                 layer.quant_enabled = False  # Hessians from float weights of this and later stages
@@ -232,7 +291,7 @@ class GPTQ(Method):
                     layer, where = layers[name], f"{prefix[id(block)]}.{name}"
                     sol = gptq_solve_detailed(layer.weight, observers[name].compute(where), layer.spec,
                                               config.block_size, config.damp, config.act_order, where,
-                                              layer.importance)
+                                              layer.importance, config.observer)
                     layer.weight.data.copy_(sol.q.to(layer.weight.dtype))
                     layer.fixed_qparams = sol.qparams
                     layer.quant_enabled = True
