@@ -1,5 +1,5 @@
-"""hqq: the reference package's results bit for bit, a real-valued zero through fake-quant, freeze, save/load
-and kernel choice, never a larger error than its own min-max start, and below rtn's min-max where that holds."""
+"""hqq: the reference package's results bit for bit (round_zero too), a real-valued zero through fake-quant, freeze,
+save/load and kernel choice, never a larger error than its own min-max start, and below rtn's min-max where that holds."""
 from __future__ import annotations
 
 import importlib.util
@@ -98,6 +98,93 @@ def test_ragged_last_group_is_solved_on_its_own(reference):
     assert p.scale.shape == (16, 5)
     assert torch.equal(p.scale[:, :4], full_scale.reshape(16, 4).half()) and torch.equal(p.scale[:, 4:], tail_scale.half())
     assert torch.equal(p.zero[:, :4], full_zero.reshape(16, 4).half()) and torch.equal(p.zero[:, 4:], tail_zero.half())
+
+
+# --- round_zero: the reference's rounded start (its BaseQuantizeConfig at 4 bits) ---
+
+def _reference_rounded_start(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """hqq 0.2.8.post1 hqq/core/quantize.py Quantizer.quantize lines 114-134 written out (axis=1, channel_wise):
+    (1/s, z) with z rounded as round_zero=True does."""
+    _min, _max = w.min(axis=1, keepdim=True)[0], w.max(axis=1, keepdim=True)[0]
+    denom = _max - _min
+    scale = round(2**bits - 1) / denom
+    scale = torch.where(denom.abs() <= 1e-4, torch.full_like(scale, 1.0), scale)
+    scale = scale.clamp(max=2e4)
+    return scale, torch.round(-_min * scale)
+
+
+def test_round_zero_start_is_the_reference_rule_on_a_hand_built_tensor():
+    """Reference: the library's formula above; exact (atol=0), including ties (to even), a flat group and the
+    2e4 bound on 1/s. Without round_zero the same start keeps z = -min/s."""
+    w = torch.tensor([
+        [-1.5, 0.0, 0.5, 1.5],  # 1/s = 15/3 = 5, z = 7.5 -> 8 (tie, to even)
+        [-0.5, 1.0, 2.0, 2.5],  # 1/s = 5, z = 2.5 -> 2 (tie, to even)
+        [-0.3, -0.1, 0.2, 0.9],  # 1/s = 15/1.2, z = 3.75 -> 4
+        [0.25, 0.25, 0.25, 0.25],  # flat: 1/s = 1, z = -0.25 -> -0
+        [-1e-4, 0.0, 1e-4, 4e-4],  # 15/5e-4 = 3e4, bounded to 2e4: z = 2
+        [-3.0, -2.9, -2.5, -2.0],  # all negative: 1/s = 15, z = 45
+    ])
+    ref_inv, ref_zero = _reference_rounded_start(w, 4)
+    inv, zero = hqq_init(w, 4, round_zero=True)
+    assert torch.equal(inv, ref_inv) and torch.equal(zero, ref_zero)  # atol = 0
+    assert zero.flatten().tolist() == [8.0, 2.0, 4.0, 0.0, 2.0, 45.0] and inv[4].item() == 2e4
+    unrounded = hqq_init(w, 4)[1]
+    assert torch.equal(unrounded, -w.amin(1, keepdim=True) * ref_inv) and not torch.equal(unrounded, zero)
+    scale, solved = hqq_solve(w, 4, iters=0, round_zero=True)  # no iterations: the rounded start is the result
+    assert torch.equal(scale, 1.0 / ref_inv) and torch.equal(solved, ref_zero)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("optimize", [True, False])
+def test_round_zero_equals_the_reference_quantizer(reference, bits, optimize):
+    """Reference: hqq's Quantizer.quantize(round_zero=True), start and default solver (axis=1, CPU float32), atol=0;
+    the result differs from round_zero=False's, so the flag reaches the solver."""
+    torch.manual_seed(bits)
+    w = torch.randn(48, 512) * (0.5 + torch.rand(48, 1))
+    _, meta = reference.quantize.Quantizer.quantize(w, nbits=bits, group_size=64, optimize=optimize, round_zero=True,
+                                                    axis=1, bitpack=False, device="cpu")
+    iters = 20 if optimize else 0
+    scale, zero = hqq_solve(w.reshape(-1, 64), bits, iters=iters, round_zero=True)
+    assert torch.equal(scale, meta["scale"]) and torch.equal(zero, meta["zero"])
+    assert not torch.equal(zero, hqq_solve(w.reshape(-1, 64), bits, iters=iters)[1])
+    p = hqq_qparams(w, WeightSpec(bits, 64, False), **HQQConfig(bits=bits, iters=iters, round_zero=True).solver)
+    assert torch.equal(p.zero, meta["zero"].reshape(48, -1).half())
+
+
+def test_round_zero_false_is_unchanged(reference):
+    """round_zero = false (given, or the default) is the call as made before the option existed, atol=0, and that is
+    the reference's Quantizer.quantize default (round_zero=False), on a seeded tensor."""
+    w = torch.randn(64, 576, generator=torch.Generator().manual_seed(3)) * 0.05
+    spec = WeightSpec(4, 64, False)
+    before = hqq_qparams(w, spec)  # no round_zero argument: the existing function's call
+    for solver in ({"round_zero": False}, HQQConfig().solver, HQQConfig(round_zero=False).solver):
+        p = hqq_qparams(w, spec, **solver)
+        assert torch.equal(p.scale, before.scale) and torch.equal(p.zero, before.zero), solver
+    _, meta = reference.quantize.Quantizer.quantize(w, nbits=4, group_size=64, axis=1, bitpack=False, device="cpu")
+    assert torch.equal(before.zero, meta["zero"].reshape(64, -1).half())
+    assert not torch.equal(hqq_qparams(w, spec, round_zero=True).zero, before.zero)
+
+
+def test_library_base_config_rounds_the_zero_at_4_bits_only(reference):
+    """What the docstring and docs/methods.md state: hqq's BaseQuantizeConfig (quantize.py:1097) sets round_zero =
+    (nbits == 4); Quantizer.quantize's own default is False. quantlab's default stays False."""
+    import inspect
+
+    rounds = {b: reference.quantize.BaseQuantizeConfig(nbits=b)["weight_quant_params"]["round_zero"] for b in (2, 3, 4, 8)}
+    assert rounds == {2: False, 3: False, 4: True, 8: False}
+    assert inspect.signature(reference.quantize.Quantizer.quantize).parameters["round_zero"].default is False
+    assert HQQConfig().round_zero is False
+
+
+def test_round_zero_is_named_in_the_scheme_and_absent_from_default_keys():
+    """describe(): the row's scheme names the option when on; off, the config hashes as before (run keys kept)."""
+    from quantlab.core.registry import non_default_fields
+
+    method = quantlab.get_method("hqq")
+    on = quantlab.make_config({"method": "hqq", "bits": 4, "round_zero": True})
+    assert method.describe(on) == "w4 g64 asym + round_zero"
+    assert method.describe(quantlab.make_config({"method": "hqq", "bits": 4})) == "w4 g64 asym"
+    assert "round_zero" not in non_default_fields(HQQConfig()) and non_default_fields(on)["round_zero"] is True
 
 
 # --- error: never above its own start; below rtn's min-max on these layers ---
@@ -259,6 +346,7 @@ def test_save_load_round_trip_is_bitwise(reference, tiny_model_dir, tmp_path):
     ({"iters": 2.5}, "iters must be an integer >= 0, got 2.5"),
     ({"iters": True}, "iters must be an integer >= 0, got True"),
     ({"optimize_scale": "yes"}, "optimize_scale must be true or false, got 'yes'"),
+    ({"round_zero": 1}, "round_zero must be true or false, got 1"),
     ({"format": "nf4"}, "hqq quantizes to the integer grid; format = 'nf4'"),
     ({"bits": 9}, "bits must be an integer in 2..8, got 9"),
     ({"overrides": [{"pattern": "*.q_proj", "symmetric": True}]}, "override '\\*.q_proj' sets symmetric = true"),
@@ -274,7 +362,8 @@ def test_bad_config_values_are_named(fields, match):
 def test_defaults_are_the_reference_solvers():
     c = HQQConfig()
     assert (c.bits, c.group_size, c.symmetric) == (4, 64, False)
-    assert c.solver == {"lp_norm": 0.7, "beta": 10.0, "kappa": 1.0, "iters": 20, "optimize_scale": False}
+    assert c.solver == {"lp_norm": 0.7, "beta": 10.0, "kappa": 1.0, "iters": 20, "optimize_scale": False,
+                        "round_zero": False}
 
 
 def test_symmetric_spec_and_missing_package_fail_clearly(monkeypatch):
@@ -304,3 +393,8 @@ def test_smollm2_every_layer_beats_rtn_asymmetric(reference, bits):
         w = model.get_submodule(name).weight.detach()
         ratios[name] = _error(w, hqq_qparams(w, spec), spec) / _error(w, spec.qparams(w), spec)
     assert all(r <= 1 for r in ratios.values()), ratios
+
+
+def test_hqq_refuses_a_weight_observer():
+    with pytest.raises(ValueError, match="hqq fits its own scale and zero .* observer = 'mse' is not allowed"):
+        quantlab.make_config({"method": "hqq", "bits": 4, "observer": "mse"})

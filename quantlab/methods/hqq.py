@@ -16,6 +16,14 @@ that default: kappa > 1 grows β by κ each iteration (the paper's schedule; the
 kappa = 1.01 among its options but never applies it), and optimize_scale also re-fits s in the
 closed-form step (a least-squares line through (W - W_e, W_q) per group; quantlab's, not the reference's).
 
+round_zero = true rounds the min-max start's zero to an integer before the solver, as the reference's
+Quantizer.quantize(round_zero=True) does (hqq/core/quantize.py lines 132-134, "as in AutoAWQ"); the solver then
+moves it off the integers again (with iters = 0 it stays integer). The default false is the reference's
+Quantizer.quantize default (quantize.py line 83), which the tests match bit for bit; its model-level config,
+BaseQuantizeConfig (hqq_base_quant_config, quantize.py line 1097: the config HQQLinear is given, and what
+transformers' HqqConfig wraps), sets round_zero = (nbits == 4): true at 4 bits, false at 2, 3 and 8. The row's
+scheme says "+ round_zero" when it is on.
+
 Scale and zero are stored in scale_dtype (float16 by default, as HQQ keeps them) and the codes come
 from the stored values, so the fake-quant forward equals the frozen one exactly. 4-bit g64 costs
 4 + 16/64 + 16/64 = 4.5 bits per weight. Needs the `hqq` package: pip install 'quantlab[hqq]'.
@@ -54,7 +62,11 @@ def _check_number(field: str, value, lo: float, hi: float | None = None, lo_open
 @dataclass(frozen=True)
 class HQQConfig(RTNConfig):
     """rtn's grid fields with hqq's defaults (group_size 64; asymmetric, integer format only) plus the
-    solver's knobs, whose defaults are the reference's default solver (hqq 0.2.8.post1)."""
+    solver's knobs, whose defaults are the reference's default solver (hqq 0.2.8.post1).
+
+    round_zero: round the min-max start's zero to an integer before solving. False = Quantizer.quantize's
+    default (hqq/core/quantize.py:83); the library's BaseQuantizeConfig rounds it at nbits = 4 only
+    (quantize.py:1097), so round_zero = true with bits = 4 is the start of HQQLinear / transformers' HqqConfig."""
 
     group_size: int | None = 64
     symmetric: bool = False
@@ -63,11 +75,15 @@ class HQQConfig(RTNConfig):
     kappa: float = 1.0  # β ← κβ each iteration; 1.0 = the reference default, 1.01 the paper's schedule
     iters: int = 20  # at most (early stop); 0 = HQQ's min-max start, not optimised
     optimize_scale: bool = False  # also re-fit the scale each iteration (quantlab's extension)
+    round_zero: bool = False  # round the start's zero (the reference's BaseQuantizeConfig does at 4 bits)
 
     def __post_init__(self):
         if self.symmetric is not False:  # checked before rtn's, whose messages assume a grid hqq never takes
             raise ValueError(f"hqq is asymmetric (a real-valued zero point per group); symmetric = "
                              f"{self.symmetric!r} is not allowed (leave it out or set false)")
+        if self.observer != "minmax":
+            raise ValueError(f"hqq fits its own scale and zero (the half-quadratic solver); observer = "
+                             f"{self.observer!r} is not allowed (leave it out)")
         if self.format != "int":
             raise ValueError(f"hqq quantizes to the integer grid; format = {self.format!r} is not allowed "
                              f"(use method = \"rtn\" for number formats)")
@@ -82,14 +98,15 @@ class HQQConfig(RTNConfig):
         _check_number("beta", self.beta, 0, lo_open=True)
         _check_number("kappa", self.kappa, 1)
         check_int("iters", self.iters, 0)
-        if not isinstance(self.optimize_scale, bool):
-            raise ValueError(f"optimize_scale must be true or false, got {self.optimize_scale!r}")  # noqa: TRY004
+        for field in ("optimize_scale", "round_zero"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"{field} must be true or false, got {getattr(self, field)!r}")  # noqa: TRY004
 
     @property
     def solver(self) -> dict:
         """The solver's keyword arguments (for hqq_qparams)."""
         return {"lp_norm": self.lp_norm, "beta": self.beta, "kappa": self.kappa, "iters": self.iters,
-                "optimize_scale": self.optimize_scale}
+                "optimize_scale": self.optimize_scale, "round_zero": self.round_zero}
 
 
 def _reference():
@@ -102,14 +119,19 @@ def _reference():
     return optimize_weights_proximal_legacy_step, shrink_lp_op
 
 
-def hqq_init(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def hqq_init(w: torch.Tensor, bits: int, round_zero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """HQQ's min-max start for groups w (N, g): (inverse scale, zero), each (N, 1), as the reference's
-    Quantizer: 1/s = (2^b - 1)/(max - min) (1 where max - min <= 1e-4; at most 2e4), z = -min/s."""
+    Quantizer: 1/s = (2^b - 1)/(max - min) (1 where max - min <= 1e-4; at most 2e4), z = -min/s, with
+    round_zero z = round(z) (torch.round: ties to even, as the reference).
+
+    >>> inv, zero = hqq_init(torch.tensor([[-1.5, 0.0, 1.5]]), 4, round_zero=True)   # inv 5, zero round(7.5) = 8
+    """
     lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
     span = hi - lo
     inv = torch.where(span.abs() <= FLAT_RANGE, torch.ones_like(span), (2**bits - 1) / span)
     inv = inv.clamp(max=MAX_INV_SCALE)
-    return inv, -lo * inv
+    zero = -lo * inv
+    return inv, torch.round(zero) if round_zero else zero
 
 
 def _scale_and_zero_step(w, inv, zero, qmax, beta, lp_norm, shrink):
@@ -129,17 +151,18 @@ def _scale_and_zero_step(w, inv, zero, qmax, beta, lp_norm, shrink):
 @torch.no_grad()
 def hqq_solve(
     w: torch.Tensor, bits: int, lp_norm: float = 0.7, beta: float = 10.0, kappa: float = 1.0, iters: int = 20,
-    optimize_scale: bool = False,
+    optimize_scale: bool = False, round_zero: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Groups w (N, g) -> (scale, zero), each (N, 1) float32, on w's device; one early stop for all groups.
 
     With the defaults equal to the reference's Quantizer.quantize(W, bits, group_size=g, axis=1) scale and
-    zero on CPU (tests/test_hqq.py). Pure: w is not modified.
+    zero on CPU, and with round_zero to Quantizer.quantize(..., round_zero=True) (tests/test_hqq.py). Pure: w is
+    not modified.
 
     >>> scale, zero = hqq_solve(layer.weight.reshape(-1, 64), bits=4)
     """
     w = w.detach().float()
-    inv, zero = hqq_init(w, bits)
+    inv, zero = hqq_init(w, bits, round_zero)
     if iters > 0:
         step, shrink = _reference()
     qmax = 2**bits - 1
@@ -193,6 +216,10 @@ class HQQ(Method):
     name = "hqq"
     config_cls = HQQConfig
     needs_calibration = False
+
+    def describe(self, config: HQQConfig, dtype: str = "float32") -> str:
+        """The grid's text, "+ round_zero" when the start's zero is rounded: "w4 g64 asym + round_zero"."""
+        return super().describe(config, dtype) + (" + round_zero" if config.round_zero else "")
 
     def prepare(self, model, config: HQQConfig) -> None:
         names = swap_in_quant_linears(model, config.selection, config.weight_spec, config.overrides)
