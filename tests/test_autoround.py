@@ -1,5 +1,6 @@
-"""AutoRound: iters = 0 is rtn bit for bit; the kept iterate never loses to rtn on its block loss; frozen ==
-fake-quant; config errors. Slow: the same on SmolLM2-135M's first two blocks."""
+"""AutoRound: iters = 0 is rtn bit for bit; full_range is auto-round's int_sym grid bit for bit; the kept iterate never
+loses to rtn on its block loss; frozen == fake-quant; config errors. Slow: the same on SmolLM2-135M's first two
+blocks."""
 import copy
 
 import pytest
@@ -9,10 +10,11 @@ from torch import nn
 import quantlab
 from quantlab.calibration.blocks import run_block
 from quantlab.core.lifecycle import quant_linears
-from quantlab.core.primitives import fake_quantize
+from quantlab.core.primitives import fake_quantize, grouped
 from quantlab.core.qlinear import WeightSpec
+from quantlab.core.registry import non_default_fields
 from quantlab.methods import autoround
-from quantlab.methods.autoround import AutoRoundConfig, autoround_qdq
+from quantlab.methods.autoround import AutoRoundConfig, autoround_qdq, full_range_scale
 
 
 def _calib(n=4, tokens=32):
@@ -37,6 +39,83 @@ def test_qdq_at_init_is_rtn_exactly(bits, group_size, symmetric):
     assert torch.equal(p.scale, ref.scale) and (p.zero is None) == symmetric
     assert symmetric or torch.equal(p.zero, ref.zero)
     assert torch.equal(fake_quantize(w_hat, p, bits, group_size), w_hat)  # on its grid: freeze is exact
+
+
+def _auto_round_int_sym(tensor, bits, group_size, v, min_scale, max_scale, scale_dtype=torch.float16,
+                        q_scale_thresh=1e-5):
+    """auto-round 0.16.1 auto_round/data_type/int.py quant_tensor_sym (lines 164-237; tensor_min, tensor_max and
+    init_scale None) written out for (N, K) with group_size dividing K (-1: whole rows), factors per group in
+    row-major order: (qdq, scale per group)."""
+    orig_shape = tensor.shape
+    tensor = tensor.reshape(-1, orig_shape[-1] if group_size == -1 else group_size)
+    v = v.reshape(tensor.shape) if isinstance(v, torch.Tensor) else v
+    min_scale, max_scale = min_scale.reshape(-1), max_scale.reshape(-1)
+    maxq = int(2.0 ** (bits - 1))
+    wmin_tmp = torch.clamp(tensor.min(-1)[0], max=0)
+    wmax_tmp = torch.clamp(tensor.max(-1)[0], min=0)
+    wmin_abs = -(wmin_tmp * min_scale)
+    wmax_abs = wmax_tmp * max_scale
+    max_v = (2 * (wmax_abs < wmin_abs).int() - 1) * torch.max(wmax_abs, wmin_abs)
+    scale = (max_v / maxq).to(scale_dtype)
+    scale = torch.where(scale < 0, torch.clamp(scale, max=-q_scale_thresh), torch.clamp(scale, min=q_scale_thresh))
+    scale = scale.unsqueeze(dim=-1)
+    x = tensor / scale + v
+    int_w = (x.round() - x).detach() + x  # its round_ste
+    q = torch.clamp(int_w, -maxq, maxq - 1)
+    qdq_result = (scale * q).to(tensor.dtype)
+    return qdq_result.reshape(orig_shape), scale.squeeze(-1)
+
+
+def test_full_range_at_init_equals_auto_rounds_int_sym_on_a_hand_built_tensor():
+    """Reference: quant_tensor_sym written out above, v = 0, factors 1; atol = 0. The larger end lands on code -8 with
+    a signed scale (negative where max >= |min|, ties too); all-zero and tiny groups take |scale| = 1e-5."""
+    w = torch.tensor([
+        [-1.0, 0.0, 0.5, 2.0],  # max larger: scale -2/8 = -0.25, codes 4, 0, -2, -8
+        [-2.0, -0.5, 0.25, 1.0],  # |min| larger: scale +0.25, codes -8, -2, 1, 4
+        [-1.0, 1.0, 0.3, -0.3],  # tie: scale -1/8, so 1.0 -> -8 and -1.0 -> 8, clamped to 7 (-0.875)
+        [0.0, 0.0, 0.0, 0.0],  # all zero: scale 1e-5 (in float16)
+        [1e-6, -2e-6, 3e-6, 0.0],  # |scale| 3e-6/8 < 1e-5: -1e-5
+        [0.1, 0.2, 0.3, 0.7],  # all positive: min clamps to 0, scale -0.7/8 (float16)
+    ])
+    ones = torch.ones(6, 1)
+    w_hat, p = autoround_qdq(w, torch.zeros_like(w), ones, ones, WeightSpec(4, 4, True), full_range=True)
+    ref, ref_scale = _auto_round_int_sym(w, 4, 4, 0, ones, ones)
+    assert torch.equal(w_hat, ref) and torch.equal(p.scale, ref_scale.reshape(6, 1)) and p.zero is None
+    assert p.scale.dtype == torch.float16 and p.scale[:3].flatten().tolist() == [-0.25, 0.25, -0.125]
+    assert w_hat[:3].tolist() == [[-1.0, 0.0, 0.5, 2.0], [-2.0, -0.5, 0.25, 1.0], [-0.875, 1.0, 0.25, -0.25]]
+    assert p.scale[3].item() == torch.tensor(1e-5, dtype=torch.float16).item() == -p.scale[4].item()
+    assert torch.equal(fake_quantize(w_hat, p, 4, 4), w_hat)  # on its grid: freeze is exact
+    assert not torch.equal(w_hat, autoround_qdq(w, torch.zeros_like(w), ones, ones, WeightSpec(4, 4, True))[0])
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group_size", [32, None])
+@pytest.mark.parametrize("tuned", [False, True], ids=["init", "tuned"])
+def test_full_range_equals_auto_rounds_int_sym(bits, group_size, tuned):
+    """Reference: quant_tensor_sym written out; seeded weights, at init (v = 0, factors 1) and with random v in
+    [-0.5, 0.5] and factors in [0.5, 1]; atol = 0 for the weight and the scales; its codes fill [-2^(b-1), 2^(b-1)-1]."""
+    gen = torch.Generator().manual_seed(bits)
+    w = torch.randn(24, 96, generator=gen) * (0.2 + torch.rand(24, 1, generator=gen))
+    shape = (24, 96 // (group_size or 96))
+    v = torch.rand(w.shape, generator=gen) - 0.5 if tuned else torch.zeros_like(w)
+    lo, hi = ((0.5 + 0.5 * torch.rand(shape, generator=gen) for _ in range(2)) if tuned
+              else (torch.ones(shape), torch.ones(shape)))
+    spec = WeightSpec(bits, group_size, True)
+    w_hat, p = autoround_qdq(w, v, lo, hi, spec, full_range=True)
+    ref, ref_scale = _auto_round_int_sym(w, bits, group_size or -1, v, lo, hi)
+    assert torch.equal(w_hat, ref) and torch.equal(p.scale, ref_scale.reshape(shape))
+    codes = torch.round(grouped(w_hat, group_size) / p.scale.float().unsqueeze(-1))
+    assert codes.min() == -(2 ** (bits - 1)) and codes.max() <= 2 ** (bits - 1) - 1
+    assert (p.scale < 0).any() and (p.scale > 0).any()
+    assert torch.equal(fake_quantize(w_hat, p, bits, group_size), w_hat)
+
+
+def test_full_range_scale_and_asymmetric_spec():
+    assert full_range_scale(torch.tensor([-1.0]), torch.tensor([2.0]), 4, torch.float16).item() == -0.25
+    assert full_range_scale(torch.tensor([-3.0]), torch.tensor([2.0]), 3, torch.float32).item() == 0.75
+    w = torch.randn(4, 32)
+    with pytest.raises(ValueError, match="full_range needs a symmetric grid, got w4 g32 asym"):
+        autoround_qdq(w, torch.zeros_like(w), torch.ones(4, 1), torch.ones(4, 1), WeightSpec(4, 32, False), True)
 
 
 def test_qdq_gradients_reach_offsets_and_factors():
@@ -67,18 +146,56 @@ def test_zero_iters_is_rtn_bit_for_bit(tiny_model_dir, bits, group_size, symmetr
     assert torch.equal(logits["rtn"], logits["autoround"])
 
 
-def test_frozen_forward_equals_fake_quant_forward(tiny_model):
+@pytest.mark.parametrize("grid", [
+    {"bits": 3, "group_size": 32},
+    {"bits": 3, "group_size": 32, "symmetric": True, "full_range": True},
+    {"bits": 4, "group_size": None, "symmetric": True, "full_range": True},
+], ids=["asym", "full-range-g32", "full-range-channel"])
+def test_frozen_forward_equals_fake_quant_forward(tiny_model, grid):
     model, _ = tiny_model
-    config = AutoRoundConfig(bits=3, group_size=32, iters=20)
+    config = AutoRoundConfig(iters=20, **grid)
     method = quantlab.get_method(config)
     method.prepare(model, config)
-    method.calibrate(model, config, _calib(), progress=False)
+    diag = method.calibrate(model, config, _calib(), progress=False)
+    assert diag["autoround_loss_ratio_max"] <= 1  # never worse than its own iteration 0
     with torch.no_grad():
         fake = model(TEST_IDS).logits
     method.convert(model, config)
-    assert all(m.frozen for m in quant_linears(model).values())
+    layers = quant_linears(model).values()
+    assert all(m.frozen for m in layers)
+    if config.full_range:  # signed scales: both signs occur
+        assert any((m.scale < 0).any() for m in layers) and any((m.scale > 0).any() for m in layers)
     with torch.no_grad():
         assert torch.equal(model(TEST_IDS).logits, fake)  # atol = 0
+
+
+def test_zero_iters_full_range_is_auto_rounds_rtn_on_every_layer(tiny_model_dir):
+    """iters = 0 with full_range: each frozen layer dequantizes to quant_tensor_sym of its float weight (v = 0,
+    factors 1), atol = 0; the row's scheme names the option."""
+    float_model, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
+    model, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
+    config = quantlab.make_config({"method": "autoround", "bits": 4, "group_size": 32, "symmetric": True,
+                                   "full_range": True, "iters": 0})
+    quantlab.quantize(model, config, calibration=_calib(), progress=False)
+    for name, layer in quant_linears(model).items():
+        w = float_model.get_submodule(name).weight.detach()
+        ones = torch.ones(w.shape[0] * w.shape[1] // 32)
+        ref, ref_scale = _auto_round_int_sym(w, 4, 32, 0, ones, ones)
+        assert torch.equal(layer.quantized_weight(), ref) and torch.equal(layer.scale.flatten(), ref_scale), name
+    assert quantlab.get_method(config).describe(config) == "w4 g32 sym + full_range"
+
+
+def test_full_range_layers_export_to_the_int4_kernel_within_parity(tiny_model_dir):
+    """Negative scales through torchao's int4 CPU kernel: every layer exported, parity gate of quantlab.backends."""
+    pytest.importorskip("torchao")
+    from quantlab.backends import PARITY_TOLERANCE, export_model
+
+    model, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
+    config = AutoRoundConfig(bits=4, group_size=32, symmetric=True, full_range=True, iters=5)
+    quantlab.quantize(model, config, calibration=_calib(), progress=False)
+    summary = export_model(model, "torchao", TEST_IDS)
+    assert summary["backend_kernels"] == "int4_cpu:14" and summary["export_parity_ok"]
+    assert summary["export_parity_layer_max_rel"] <= PARITY_TOLERANCE["int4_cpu"]
 
 
 def _mse(block, inputs, kwargs, targets) -> float:
@@ -148,6 +265,8 @@ def test_seeded_and_reported(tiny_model_dir):
     ({"seed": -1}, "seed must be an integer >= 0, got -1"),
     ({"symmetric": "yes"}, "symmetric must be true or false, got 'yes'"),
     ({"enable_minmax_tuning": 1}, "enable_minmax_tuning must be true or false, got 1"),
+    ({"full_range": True}, "full_range = true is auto-round's .* needs symmetric = true; got symmetric = false"),
+    ({"full_range": "yes", "symmetric": True}, "full_range must be true or false, got 'yes'"),
     ({"next_inputs": "fp"}, "unknown next_inputs 'fp'; known: quantized, float"),
     ({"include": "*"}, "include must be a list of name globs"),
     ({"iter": 3}, "unknown config key.*'iter'.*valid: .*iters"),
@@ -162,6 +281,9 @@ def test_config_defaults():
     assert (cfg.round_lr, cfg.factor_lr) == (1 / 50, 1 / 50)
     assert AutoRoundConfig(lr=0.01, minmax_lr=0.002).factor_lr == 0.002
     assert not AutoRoundConfig().symmetric and AutoRoundConfig(iters=0).round_lr == 1.0
+    assert AutoRoundConfig().full_range is False  # rtn's grid: existing rows keep their meaning
+    assert "full_range" not in non_default_fields(AutoRoundConfig(symmetric=True))
+    assert quantlab.get_method("autoround").describe(AutoRoundConfig(symmetric=True)) == "w4 channel sym"
     with pytest.raises(ValueError, match="needs calibration data"):
         quantlab.quantize(nn.Sequential(nn.Linear(4, 4)), AutoRoundConfig())
 

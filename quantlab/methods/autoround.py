@@ -9,21 +9,26 @@ and, with enable_minmax_tuning, per-group factors on the clipped range (init 1, 
 The block's output with these weights is fitted to the float block's output on float inputs (MSE) by
 signed gradient descent, p -= lr·sign(grad), the lr decaying linearly to 0 over `iters` steps, each step on
 `batch_size` seeded random windows. The iterate with the lowest loss is kept; iteration 0 (V = 0, factors 1)
-is exactly rtn min-max, so the kept one is never worse than rtn on the loss it was chosen by. The layers
-then hold that grid weight and its qparams as fixed qparams (as GPTQ hands over), so convert() packs the
-integer codes and the frozen forward equals the fake-quant forward bit for bit.
+is exactly rtn min-max (full_range: the reference's min-max on its grid), so the kept one is never worse than
+that start on the loss it was chosen by. The layers then hold that grid weight and its qparams as fixed
+qparams (as GPTQ hands over), so convert() packs the integer codes and the frozen forward equals the
+fake-quant forward bit for bit.
 
 next_inputs = "quantized" (the reference's enable_quanted_input): each block trains on the outputs of the
 quantized blocks before it; "float": on the float model's hidden states.
 
-Differences from the reference (named in the README): the grid is rtn's (symmetric: codes -2^(b-1)..
-2^(b-1)-1 with scale amax / (2^(b-1)-1), where the reference spans 2·amax over 2^b-1 steps; asymmetric
-zero points clamped to the code range); factors are clamped to [0.5, 1] (the paper's range; the code uses
-[0, 1]) and V to [-0.5, 0.5] after each step (the reference bounds V only through its lr schedule);
-computation is in float32 (no amp / bf16); when batch_size < the number of windows, the kept iterate is
-compared with rtn once more on every window and rtn is kept if it is better there (the reference
-compares minibatch losses only). Not ported: norm/bias tuning, activation tuning, dynamic_max_gap,
-gradient accumulation, nblocks > 1, the `lm_head` / layers outside blocks.
+Differences from the reference (listed in docs/methods.md): by default the grid is rtn's (symmetric: codes
+-2^(b-1)..2^(b-1)-1, scale amax / (2^(b-1)-1), so code -2^(b-1) goes unused; asymmetric zero points clamped
+to the code range; scales at least the scale dtype's smallest normal number). full_range = true (needs
+symmetric = true) takes the reference's int_sym grid (data_type/int.py quant_tensor_sym) instead: the end of
+larger magnitude after the factors, max(-lo, hi), over 2^(b-1) as a signed scale (positive where -lo is the
+larger, negative otherwise, ties included), so that end lands on code -2^(b-1) and all 2^b codes are used;
+|scale| >= 1e-5 after rounding to the scale dtype (its q_scale_thresh). Factors are clamped to [0.5, 1] (the
+paper's range; the code uses [0, 1]) and V to [-0.5, 0.5] after each step (the reference bounds V only
+through its lr schedule); computation is in float32 (no amp / bf16); when batch_size < the number of
+windows, the kept iterate is compared with iteration 0 once more on every window and iteration 0 is kept if
+it is better there (the reference compares minibatch losses only). Not ported: norm/bias tuning, activation
+tuning, dynamic_max_gap, gradient accumulation, nblocks > 1, the `lm_head` / layers outside blocks.
 
 >>> cfg = make_config({"method": "autoround", "bits": 4, "group_size": 64, "iters": 200})
 >>> quantlab.quantize(model, cfg, calibration=calib)["diagnostics"]["autoround_loss_reduction_mean"]
@@ -56,6 +61,7 @@ from ..models.arch import find_blocks
 from ..util.checks import check_choice, check_int
 
 FACTOR_RANGE = (0.5, 1.0)  # min/max clip factors
+Q_SCALE_THRESH = 1e-5  # full_range: the reference's least |scale| (its q_scale_thresh)
 OFFSET_RANGE = (-0.5, 0.5)  # rounding offsets V
 
 
@@ -69,9 +75,11 @@ def _check_lr(field: str, value) -> None:
 @dataclass(frozen=True)
 class AutoRoundConfig:
     """Integer grid (bits 2..8, group_size None = per output channel, symmetric, scale_dtype None = float16) and
-    AutoRound's knobs: iters signed-gradient steps per block (0: plain rtn), lr None = 1/iters, minmax_lr
+    AutoRound's knobs: iters signed-gradient steps per block (0: the min-max start, rtn), lr None = 1/iters, minmax_lr
     None = lr, batch_size windows per step (capped at the calibration count), next_inputs "quantized" | "float",
-    seed for the window sampling; include / exclude name globs as rtn."""
+    seed for the window sampling; include / exclude name globs as rtn. full_range (needs symmetric): auto-round's
+    own symmetric grid, a signed scale max(|min|, max)/2^(b-1) over all 2^b codes; false: rtn's, amax/(2^(b-1)-1).
+    The reference's default W4A16 grid is bits = 4, group_size = 128, symmetric = true, full_range = true."""
 
     bits: int = 4
     group_size: int | None = None
@@ -82,6 +90,7 @@ class AutoRoundConfig:
     minmax_lr: float | None = None
     batch_size: int = 8
     enable_minmax_tuning: bool = True
+    full_range: bool = False
     next_inputs: str = "quantized"
     seed: int = 0
     include: tuple[str, ...] = ("*",)
@@ -90,9 +99,12 @@ class AutoRoundConfig:
     def __post_init__(self):
         object.__setattr__(self, "include", self.selection.include)
         object.__setattr__(self, "exclude", self.selection.exclude)
-        for field in ("symmetric", "enable_minmax_tuning"):
+        for field in ("symmetric", "enable_minmax_tuning", "full_range"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be true or false, got {getattr(self, field)!r}")  # noqa: TRY004
+        if self.full_range and not self.symmetric:
+            raise ValueError("full_range = true is auto-round's symmetric grid and needs symmetric = true; got "
+                             "symmetric = false (set symmetric = true, or leave full_range out for the asymmetric grid)")
         object.__setattr__(self, "scale_dtype", self.weight_spec.scale_dtype)  # validates bits, group_size too
         check_int("iters", self.iters, 0)
         check_int("batch_size", self.batch_size, 1)
@@ -119,13 +131,27 @@ class AutoRoundConfig:
         return self.minmax_lr if self.minmax_lr is not None else self.round_lr
 
 
+def full_range_scale(lo: torch.Tensor, hi: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """auto-round 0.16's int_sym scale from a group's clipped range lo <= 0 <= hi: max(-lo, hi) / 2^(b-1), negative
+    unless -lo is the larger (so that end lands on code -2^(b-1)), rounded to dtype, |scale| >= 1e-5.
+
+    >>> full_range_scale(torch.tensor([-1.0]), torch.tensor([2.0]), 4, torch.float16)   # tensor([-0.25])
+    """
+    wmin_abs, wmax_abs = -lo, hi
+    max_v = (2 * (wmax_abs < wmin_abs).int() - 1) * torch.maximum(wmax_abs, wmin_abs)  # as the reference writes it
+    big = torch.finfo(dtype).max  # finite, where the reference would overflow to inf
+    scale = (max_v / 2 ** (bits - 1)).clamp(-big, big).to(dtype)
+    return torch.where(scale < 0, scale.clamp(max=-Q_SCALE_THRESH), scale.clamp(min=Q_SCALE_THRESH))
+
+
 def autoround_qdq(w: torch.Tensor, v: torch.Tensor, min_factor: torch.Tensor, max_factor: torch.Tensor,
-                  spec: WeightSpec) -> tuple[torch.Tensor, QParams]:
+                  spec: WeightSpec, full_range: bool = False) -> tuple[torch.Tensor, QParams]:
     """W (out, in) on the integer grid of `spec` with rounding offsets v (out, in) and clip factors
     (out, n_groups): (the dequantized weight, differentiable in v and the factors; its qparams, detached).
 
     Pure. With v = 0 and factors 1 it is rtn min-max bit for bit: the same float ops as
-    primitives.qparams_from_range / quantize / dequantize.
+    primitives.qparams_from_range / quantize / dequantize. full_range (symmetric spec only): the scale is
+    full_range_scale's, as auto-round's quant_tensor_sym; codes clamp to the same [-2^(b-1), 2^(b-1)-1].
 
     >>> w_hat, p = autoround_qdq(w, torch.zeros_like(w), torch.ones(32, 2), torch.ones(32, 2), WeightSpec(4, 48, False))
     """
@@ -135,7 +161,11 @@ def autoround_qdq(w: torch.Tensor, v: torch.Tensor, min_factor: torch.Tensor, ma
     lo = torch.clamp(wg.amin(-1), max=0.0) * min_factor  # (out, n_groups)
     hi = torch.clamp(wg.amax(-1), min=0.0) * max_factor
     info = torch.finfo(spec.torch_scale_dtype)
-    if spec.symmetric:
+    if full_range:
+        if not spec.symmetric:
+            raise ValueError(f"full_range needs a symmetric grid, got {spec.describe()}")
+        scale, zero = full_range_scale(lo, hi, spec.bits, spec.torch_scale_dtype), None
+    elif spec.symmetric:
         scale = (torch.maximum(lo.abs(), hi.abs()) / qmax).clamp(info.tiny, info.max).to(spec.torch_scale_dtype)
         zero = None
     else:
@@ -161,8 +191,8 @@ class BlockResult(NamedTuple):
 class _Tuned:
     """The trainable state of one block's layers: V and the two clip factors per layer."""
 
-    def __init__(self, layers: dict[str, QuantLinear], minmax: bool):
-        self.layers = layers
+    def __init__(self, layers: dict[str, QuantLinear], minmax: bool, full_range: bool = False):
+        self.layers, self.full_range = layers, full_range
         self.w = {n: m.weight.detach().float() for n, m in layers.items()}
         self.v = {n: torch.zeros_like(w, requires_grad=True) for n, w in self.w.items()}
         shapes = {n: (w.shape[0], n_groups(w.shape[1], layers[n].spec.group_size)) for n, w in self.w.items()}
@@ -170,7 +200,8 @@ class _Tuned:
         self.hi = {n: torch.ones(s, device=self.w[n].device, requires_grad=minmax) for n, s in shapes.items()}
 
     def qdq(self, name: str) -> tuple[torch.Tensor, QParams]:
-        return autoround_qdq(self.w[name], self.v[name], self.lo[name], self.hi[name], self.layers[name].spec)
+        return autoround_qdq(self.w[name], self.v[name], self.lo[name], self.hi[name], self.layers[name].spec,
+                             self.full_range)
 
     def snapshot(self) -> list[torch.Tensor]:
         return [t.detach().clone() for d in (self.v, self.lo, self.hi) for t in d.values()]
@@ -245,7 +276,7 @@ def autoround_block(block: nn.Module, inputs: list, targets: list, kwargs: list[
     layers = prepared_linears(block)
     if not layers:
         return None
-    tuned = _Tuned(layers, config.enable_minmax_tuning)
+    tuned = _Tuned(layers, config.enable_minmax_tuning, config.full_range)
     rtn = best = tuned.snapshot()
     rtn_loss = best_loss = None
     best_iter, fell_back, n = 0, False, len(inputs)
@@ -290,6 +321,10 @@ class AutoRound(Method):
     name = "autoround"
     config_cls = AutoRoundConfig
     needs_calibration = True
+
+    def describe(self, config: AutoRoundConfig, dtype: str = "float32") -> str:
+        """The grid's text, "+ full_range" on auto-round's own symmetric grid: "w4 g128 sym + full_range"."""
+        return super().describe(config, dtype) + (" + full_range" if config.full_range else "")
 
     def prepare(self, model, config: AutoRoundConfig) -> None:
         swap_in_quant_linears(model, config.selection, config.weight_spec)
