@@ -1,4 +1,4 @@
-"""`lora`: LoRA / QLoRA adapters trained over a frozen quantized base.
+"""`lora`: LoRA adapters trained over a frozen quantized base (QLoRA is one configuration of it, below).
 
     [[run]]
     name = "lora-rtn-w4-g64"
@@ -13,10 +13,20 @@
 
 Lifecycle: prepare = the base's prepare, then target_modules are resolved against its quantized linears (an error
 before any data); calibrate = the base's; train = the base's convert (the base becomes integer codes + scales and
-stays frozen: QLoRA), then adapters on the targeted layers, trained by the QAT loop (quantlab/qat/train.py: AMP,
+stays frozen), then adapters on the targeted layers, trained by the QAT loop (quantlab/qat/train.py: AMP,
 accumulation, checkpoints, resume, NaN stop, distillation) with only lora_A / lora_B trainable; convert = keep the
-adapters beside the codes (merge = false, the QLoRA deployment form) or merge and re-quantize (merge = true).
+adapters beside the frozen codes (merge = false) or merge and re-quantize (merge = true).
 steps = 0 attaches the adapters untrained (B = 0): the base model's outputs exactly.
+
+LoRA on int4 (frozen RTN codes), the example above and experiments/smollm2_lora.toml's lora-* rows, is not QLoRA.
+QLoRA (Dettmers et al. 2023; artidoro/qlora qlora.py) is a 4-bit NormalFloat base with double-quantized absmax and
+its recipe: r 64, alpha 16, dropout 0.1 and lr 2e-4 (its 7B / 13B scripts; 33B: 0.05, 1e-4), constant lr after a
+3% warm-up, grad-norm clip 0.3, paged AdamW, cross-entropy on the data. Each knob is a field here (run qlora-nf4-dq
+of experiments/smollm2_lora.toml): base = {method = "rtn", format = "nf4", double_quant = true}, r = 64,
+alpha = 16, dropout = 0.1, lr = 2e-4, ce_weight = 1, kd_weight = 0, grad_clip = 0.3, min_lr_ratio = 1 (constant
+after warm-up). What stays apart: the optimizer is torch's AdamW (paging only moves its state between GPU and CPU
+memory), and the double quantization stores the absmax as FP8 E4M3 (core/formats.py), not bitsandbytes' 8-bit
+dynamic map.
 
 Adapters come from peft, not hand-written: peft is the implementation adapters are trained and shipped with, and
 its init, scaling and dropout come with it. QuantLinear is a module peft does not know, so it goes through peft's
