@@ -66,6 +66,11 @@ class RunExtra(abc.ABC):
             raise ValueError(f"{self.key}: unknown key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(names)}")
         return self.config_cls(**table)
 
+    def parse_stored(self, table: dict) -> Any:
+        """A stored run config's table (to_dict's form, maybe written by an older version) -> its config. An extra
+        whose default changed overrides this, so rows of the old default keep their meaning."""
+        return self.parse(table)
+
     def to_dict(self, config: Any) -> dict:
         """Plain data for run keys, result rows and TOML; parse(to_dict(c)) == c."""
         return config.to_dict() if hasattr(config, "to_dict") else dataclasses.asdict(config)
@@ -136,7 +141,7 @@ def describe_extras(cfg: dict) -> list[str]:
         if cfg.get(key) is None:
             continue
         try:
-            out.append(extra.describe(extra.parse(cfg[key])))
+            out.append(extra.describe(extra.parse_stored(cfg[key])))
         except (TypeError, ValueError):
             out.append(key)
     return out

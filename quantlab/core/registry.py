@@ -63,6 +63,12 @@ class Method:
         smooth_linear_inputs): an online Hadamard on down_proj's input (rotation R4) would not let them cancel."""
         return False
 
+    def folds_scales_between_linears(self, config: Any) -> bool:
+        """Whether some of its scales sit between a linear and the next (v_proj -> o_proj as well as up_proj ->
+        down_proj): an online Hadamard on o_proj's input (rotation o_proj_hadamard) would not let them cancel. The
+        built-in methods fold both pairs or neither, so this defaults to folds_scales_across_mlp."""
+        return self.folds_scales_across_mlp(config)
+
     def keeps_float_adapters(self, config: Any) -> bool:
         """Whether the converted model keeps float modules beside its quantized linears (LoRA adapters, unmerged):
         an export of quantized linears alone would drop them."""

@@ -1,7 +1,7 @@
 """`rotation = {...}`: rotate the float model before the method quantizes it (QuaRot; transforms/rotation.py).
 
-The method calibrates on the rotated model, so GPTQ Hessians and static ranges see rotated activations. R4 (and
-scope "online") leaves a Hadamard running in PyTorch before each down_proj (every linear), which real kernels do not
+The method calibrates on the rotated model, so GPTQ Hessians and static ranges see rotated activations. R4, the
+o_proj Hadamard (and scope "online") leave a Hadamard running in PyTorch before each down_proj / o_proj (every linear), which real kernels do not
 run, and which a per-channel scale folded across that pair (the method's capability folds_scales_across_mlp, or any
 folded scale for "online") would not survive.
 """
@@ -24,9 +24,10 @@ class Rotation(RunExtra):
     def refusal(self, config: RotationConfig, backend: str) -> str | None:
         if backend in ("onnxruntime", "llama.cpp"):
             return "does not export a rotation (rotation = {...})"
-        if (config.r4 or config.scope == "online") and backend != "simulated":
-            return ("does not run the online Hadamard of a rotation with r4 = true or scope 'online' (a PyTorch hook "
-                    "before the layer; set r4 = false for a residual rotation folded into the weights)")
+        if config.online_hadamards and backend != "simulated":
+            return ("does not run the online Hadamard of a rotation with r4 = true, o_proj_hadamard = true or scope "
+                    "'online' (a PyTorch hook before the layer; set r4 = false and o_proj_hadamard = false for a "
+                    "residual rotation folded into the weights)")
         return None
 
     def check(self, config: RotationConfig, method_config, backend: str) -> None:
@@ -35,10 +36,20 @@ class Rotation(RunExtra):
             if config.scope == "online" and method.folds_channel_scales(c):
                 raise ValueError(f"rotation scope 'online' (a Hadamard on every linear's input) does not compose "
                                  f"with {method.name}: its per-channel scales live in the unrotated channels")
+            if config.scope == "residual" and config.o_proj_hadamard and method.folds_scales_between_linears(c):
+                raise ValueError(f"rotation with o_proj_hadamard = true (online Hadamard on o_proj's input) does not "
+                                 f"compose with {method.name}: a scale it folds into v_proj -> o_proj would not cancel "
+                                 f"through the Hadamard; set o_proj_hadamard = false in rotation")
             if config.r4 and method.folds_scales_across_mlp(c):
                 raise ValueError(f"rotation with r4 = true (online Hadamard on down_proj's input) does not compose "
                                  f"with {method.name}: its up_proj -> down_proj scales "
                                  f"would not cancel through the Hadamard; set r4 = false in rotation")
+
+    def parse_stored(self, table: dict) -> RotationConfig:
+        """Rows stored before o_proj_hadamard existed (residual scope, no such key) ran without it."""
+        if table.get("scope", "residual") == "residual" and "o_proj_hadamard" not in table:
+            table = {**table, "o_proj_hadamard": False}
+        return self.parse(table)
 
     def check_model_config(self, config: RotationConfig, model_config) -> None:
         if config.scope != "online":  # online: a Hadamard on every linear's input, any model

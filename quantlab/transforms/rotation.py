@@ -9,6 +9,12 @@ For a pre-norm decoder with RMSNorm (Llama family), with Q orthogonal:
   hold different matrices (rows say `rotation_untied_head`; weight bytes grow by one vocab x hidden matrix).
 - R2 (`r2`), per attention head: v_proj's outputs and o_proj's inputs are rotated by a head_dim Hadamard, one
   block per head (attention mixes tokens, never channels, so this folds exactly, also with grouped KV heads).
+- `o_proj_hadamard` (QuaRot's online Hadamard across heads, on by default): an online Hadamard on o_proj's whole
+  input (x <- x H / sqrt(n), n = heads x head_dim) and W_o <- W_o H / sqrt(n), so o_proj's input is mixed across
+  heads, not only within each (R2). QuaRot applies a head-count Hadamard online after R2 (its full Hadamard then
+  factors as heads x head_dim), which needs a Hadamard of order n_heads; SmolLM2 has 9 heads, so the full
+  n-wide Hadamard runs online instead (the same mixing across heads; R2 before it is then redundant but harmless).
+  `o_proj_hadamard = false` is quantlab's first variant (within-head R2 only), kept as a named option.
 - R4 (`r4`): an online Hadamard on down_proj's input (x <- x H / sqrt(n), a fast Walsh-Hadamard transform in the
   forward, as a forward pre-hook that stays on the layer through quantization) and W_down <- W_down H / sqrt(n).
   Activation quantizers of down_proj see the rotated input.
@@ -45,13 +51,15 @@ SCOPES = ("residual", "online")
 @dataclass(frozen=True)
 class RotationConfig:
     """kind: "hadamard" (randomized Hadamard, QuaRot) or "random" (Haar orthogonal); seed: the random signs or
-    matrix; r2: per-head rotation of v_proj / o_proj; r4: online Hadamard on down_proj's input."""
+    matrix; r2: per-head rotation of v_proj / o_proj; r4: online Hadamard on down_proj's input; o_proj_hadamard:
+    online Hadamard on o_proj's input, across heads (QuaRot; false: quantlab's first, within-head-only variant)."""
 
     kind: str = "hadamard"
     seed: int = 0
     r2: bool = True
     r4: bool = True
     scope: str = "residual"
+    o_proj_hadamard: bool = True
 
     def __post_init__(self):
         check_choice("rotation kind", self.kind, KINDS)
@@ -60,19 +68,28 @@ class RotationConfig:
             raise ValueError(f"rotation scope 'online' runs a fast Hadamard in every forward; kind {self.kind!r} "
                              f"is not supported with it (use kind = \"hadamard\")")
         check_int("rotation seed", self.seed, 0)
-        for field in ("r2", "r4"):
+        for field in ("r2", "r4", "o_proj_hadamard"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"rotation {field} must be true or false, got {getattr(self, field)!r}")
 
     def describe(self) -> str:
         if self.scope == "online":
             return "rot online hadamard (every linear input)"
-        parts = ["R1"] + (["R2"] if self.r2 else []) + (["R4"] if self.r4 else [])
+        parts = ["R1"] + (["R2"] if self.r2 else []) + (["R4"] if self.r4 else []) + (
+            ["o_proj online"] if self.o_proj_hadamard else [])
         return f"rot {self.kind} {'+'.join(parts)}"
+
+    @property
+    def online_hadamards(self) -> bool:
+        """Whether a Hadamard runs online in the forward (a PyTorch hook real kernels do not run)."""
+        return self.r4 or self.o_proj_hadamard or self.scope == "online"
 
     def to_dict(self) -> dict:
         out = {"kind": self.kind, "seed": self.seed, "r2": self.r2, "r4": self.r4}
-        return out | ({"scope": self.scope} if self.scope != "residual" else {})  # run keys of residual runs stay
+        out |= {"scope": self.scope} if self.scope != "residual" else {}  # run keys of residual runs stay
+        # always written for residual rotations: rows stored before it existed lack it and ran without it
+        # (extras/rotation.py parse_stored), so both variants now get new run keys
+        return out | ({"o_proj_hadamard": self.o_proj_hadamard} if self.scope == "residual" else {})
 
 
 class OnlineHadamard:
@@ -175,9 +192,11 @@ def check_rotatable(config: RotationConfig, model_config) -> dict:
     hidden, heads = model_config.hidden_size, model_config.num_attention_heads
     sizes = {"hidden_size": hidden} | (
         {"head_dim": getattr(model_config, "head_dim", None) or hidden // heads} if config.r2 else {}) | (
-        {"intermediate_size": model_config.intermediate_size} if config.r4 else {})
+        {"intermediate_size": model_config.intermediate_size} if config.r4 else {}) | (
+        {"attention width (heads x head_dim)": heads * (getattr(model_config, "head_dim", None) or hidden // heads)}
+        if config.o_proj_hadamard else {})
     for what, n in sizes.items():
-        if config.kind == "hadamard" or what == "intermediate_size":
+        if config.kind == "hadamard" or what in ("intermediate_size", "attention width (heads x head_dim)"):
             try:
                 factor_order(n)
             except ValueError as e:
@@ -216,9 +235,17 @@ def rotate_model(model: nn.Module, config: RotationConfig) -> dict:
         if qh is not None:
             _rotate_heads(block, facts, qh, n_heads, n_kv)
         if q4 is not None:
-            down = block.get_submodule(facts["down"])
-            _set(down.weight, down.weight.detach().to(torch.float64) @ q4)
-            down.register_forward_pre_hook(OnlineHadamard())
+            _rotate_input_online(block.get_submodule(facts["down"]), q4)
+        if config.o_proj_hadamard:
+            o = block.get_submodule(facts["o"])
+            _rotate_input_online(o, hadamard_matrix(o.in_features).to(torch.float64) / o.in_features ** 0.5)
     model.quantlab_rotation = config
+    n_blocks = len(find_blocks(model))
     return {"rotation": config.describe(), "rotation_seed": config.seed, "rotation_untied_head": untied,
-            "rotation_online_layers": len(find_blocks(model)) if config.r4 else 0}
+            "rotation_online_layers": n_blocks * (int(config.r4) + int(config.o_proj_hadamard))}
+
+
+def _rotate_input_online(lin: nn.Linear, h: torch.Tensor) -> None:
+    """W <- W H and the input x <- x H online (H orthogonal: the product is unchanged)."""
+    _set(lin.weight, lin.weight.detach().to(torch.float64) @ h)
+    lin.register_forward_pre_hook(OnlineHadamard())
