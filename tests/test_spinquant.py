@@ -109,7 +109,8 @@ def test_a_spinquant_run_learns_then_quantizes(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("run,match", [
     ({"method": "rtn", "bits": 4, "rotation": {"kind": "spinquant"}}, "quantizes no activations"),
     ({"method": "dynamic", "act_bits": 4, "rotation": {"kind": "spinquant", "scope": "online"}},
-     "needs scope = \"residual\""),
+     "kind 'spinquant' is not supported with it"),
+    ({"method": "dynamic", "act_bits": 4, "rotation": {"kind": "spinquant", "r2": False}}, "needs .* r2 = true"),
     ({"method": "dynamic", "act_bits": 4, "rotation": {"kind": "spinquant", "steps": 0}}, "steps must be"),
     ({"method": "dynamic", "act_bits": 4, "rotation": {"kind": "spinquant", "lr": -1}}, "lr must be a number > 0"),
 ])
