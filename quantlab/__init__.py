@@ -18,6 +18,7 @@ from .core.observers import Observer, register_observer
 from .core.qlinear import QuantLinear, WeightSpec
 from .core.registry import LayerSelection, Method, get_method, known_methods, make_config, register_method
 from .eval import measure_latency, perplexity, reference_logprobs, weight_stats
+from .methods.any4 import Any4Config
 from .methods.autoround import AutoRoundConfig
 from .methods.awq import AWQConfig
 from .methods.dynamic import DynamicConfig
@@ -43,7 +44,8 @@ __all__ = [
     "load_quantized", "save_quantized", "QuantLinear", "WeightSpec",
     # methods by config
     "NoneConfig", "RTNConfig", "GPTQConfig", "GPTAQConfig", "HQQConfig", "AWQConfig", "AutoRoundConfig", "DynamicConfig",
-    "StaticConfig", "SmoothQuantConfig", "QATConfig", "LoRAConfig", "get_method", "known_methods", "make_config",
+    "StaticConfig", "SmoothQuantConfig", "QATConfig", "LoRAConfig", "Any4Config", "get_method", "known_methods",
+    "make_config",
     # experiments
     "load_experiment", "parse_experiment", "run_experiment",
     # extension points: plug in your own (docs/plugins.md)

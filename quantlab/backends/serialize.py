@@ -164,7 +164,7 @@ def _shell(spec: dict, dtype: torch.dtype, static_scale_shape: tuple) -> QuantLi
         layer.register_buffer("scale", torch.empty(groups, dtype=ws.torch_scale_dtype))
     if spec.get("float_zero", False):  # HQQ: real-valued zeros in the scale dtype
         layer.register_buffer("zero_f", torch.empty(groups, dtype=ws.torch_scale_dtype))
-    elif not ws.symmetric and ws.ggml is None:
+    elif not ws.symmetric and ws.fmt is None:  # integer zero points (any4's offsets are among the format's scales)
         layer.register_buffer("zero_u", torch.empty(groups, dtype=torch.uint8))
     if spec["input_scale"]:
         layer.register_buffer("input_scale", torch.empty(in_f, dtype=dtype))

@@ -47,6 +47,10 @@ def check_act_format(fmt: str, bits, symmetric, field: str = "act_format", allow
     if allowed is not None and fmt not in allowed:
         raise ValueError(f"unknown {field} {fmt!r} here; known: int, {', '.join(allowed)}")
     f = formats.get_format(fmt)
+    if f.scale == "lut":
+        weight_only = ", ".join(n for n, g in formats.FORMATS.items() if g.scale == "lut")
+        raise ValueError(f"{field} {fmt!r} is a weight format (a table learned per weight row: method \"any4\"); "
+                         f"activations take int or a number format other than {weight_only}")
     if bits not in (8, f.bits):
         raise ValueError(f"{field} {fmt!r} has {f.bits}-bit elements; {field.replace('format', 'bits')} = {bits} "
                          f"contradicts it (leave it out)")

@@ -18,7 +18,8 @@ import torch
 
 @dataclass(frozen=True)
 class Element:
-    """One element format. kind: "fp" (sign-magnitude minifloat), "nf" (lookup table), "int" (two's complement)."""
+    """One element format. kind: "fp" (sign-magnitude minifloat), "nf" (lookup table), "int" (two's complement),
+    "lut" (a table learned per weight row, any4: no fixed values; its numerics are core/lut.py's)."""
 
     name: str
     bits: int
@@ -30,8 +31,8 @@ class Element:
     levels: tuple[float, ...] | None = None  # kind "nf": the 2^bits ascending levels in [-1, 1] (None: NF4's)
 
     def __post_init__(self):
-        if self.kind not in ("fp", "nf", "int"):
-            raise ValueError(f"element {self.name!r}: kind {self.kind!r} unknown; known: fp, nf, int")
+        if self.kind not in ("fp", "nf", "int", "lut"):
+            raise ValueError(f"element {self.name!r}: kind {self.kind!r} unknown; known: fp, nf, int, lut")
         if self.levels is None:
             return
         levels = tuple(float(v) for v in self.levels)

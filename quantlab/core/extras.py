@@ -66,6 +66,11 @@ class RunExtra(abc.ABC):
             raise ValueError(f"{self.key}: unknown key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(names)}")
         return self.config_cls(**table)
 
+    def needs_calibration_for(self, config: Any) -> bool:
+        """Whether apply() learns from calibration windows (SpinQuant's rotation): the runner then passes
+        apply(model, config, calibration=[(1, T) windows], method_config=the run's method config)."""
+        return False
+
     def parse_stored(self, table: dict) -> Any:
         """A stored run config's table (to_dict's form, maybe written by an older version) -> its config. An extra
         whose default changed overrides this, so rows of the old default keep their meaning."""

@@ -15,6 +15,8 @@ Two layers, as the specs define them:
     nf4                  absmax blocks (64 by default), optional double quantization of the absmax
     mxfp8_e4m3 ... mxint8  blocks of 32 share an E8M0 power of two 2^(floor(log2 amax) - emax_elem)
     nvfp4                E2M1 blocks of 16 with FP8 E4M3 scales, times one fp32 scale per tensor
+    any4, any3, any2     a learned table of 2^bits values per row, min-max groups (128) with a scale + offset
+                         (scale rule "lut", numerics in core/lut.py; method "any4" learns the tables)
 
 Scales live in QParams (scale: the effective fp32 scale per group; `extra`: what the stored form needs
 beyond it, e.g. NVFP4's tensor scale). `fake_quantize` = decode(encode(x / scale)) * scale, the frozen
@@ -39,6 +41,15 @@ from .elements import (  # noqa: F401  (re-exported: formats is the one import f
     finite_magnitudes,
     round_to_element,
 )
+from .lut import (
+    lut_dequantize,
+    lut_encode,
+    lut_fake_quantize,
+    lut_from_storage,
+    lut_qparams,
+    lut_storage,
+    lut_storage_shapes,
+)
 from .primitives import QParams, grouped, ungrouped
 
 # ---- formats: an element plus a shared-scale rule -------------------------------------------
@@ -46,7 +57,8 @@ from .primitives import QParams, grouped, ungrouped
 
 @dataclass(frozen=True)
 class Format:
-    """scale: "float" (amax / max element, in the spec's scale_dtype), "e8m0" (MX), "nvfp4" (E4M3 x fp32).
+    """scale: "float" (amax / max element, in the spec's scale_dtype), "e8m0" (MX), "nvfp4" (E4M3 x fp32), "lut" (a
+    table per row learned from the weights, min-max groups with a scale + offset: core/lut.py).
 
     block: the block size the spec fixes (fixed_block) or the default group size (None: per channel).
     """
@@ -68,6 +80,12 @@ def _mx(name: str, element: str, summary: str) -> Format:
     return Format(name, ELEMENTS[element], "e8m0", 32, True, "e8m0", summary)
 
 
+def _any(bits: int) -> Format:
+    return Format(f"any{bits}", Element(f"any{bits}", bits, "lut"), "lut", 128, False, "float16",
+                  f"any{bits} (Elhoushi & Johnson 2025): {2 ** bits} fp16 values per row learned by k-means, "
+                  f"min-max groups of 128 with fp16 scale + offset; method \"any4\" learns it")
+
+
 FORMATS = {f.name: f for f in (
     Format("fp8_e4m3", ELEMENTS["e4m3"], "float", summary="FP8 E4M3 (OCP fn, max 448), fp32 scale per channel/group"),
     Format("fp8_e5m2", ELEMENTS["e5m2"], "float", summary="FP8 E5M2 (max 57344), fp32 scale per channel/group"),
@@ -80,9 +98,11 @@ FORMATS = {f.name: f for f in (
     _mx("mxint8", "int8", "OCP MX: INT8 elements (implicit 2^-6, symmetric ±127), E8M0 scale per 32"),
     Format("nvfp4", ELEMENTS["e2m1"], "nvfp4", 16, True, "float8_e4m3fn",
            "NVFP4: E2M1 elements, FP8 E4M3 scale per 16, one fp32 scale per tensor"),
+    _any(4), _any(3), _any(2),
 )}
 
-SCALE_BUFFERS = ("scale", "scale_e8m0", "tensor_scale", "dq_codes", "dq_scale", "dq_mean")  # a frozen layer's
+# a frozen layer's scale tensors, whichever its format keeps
+SCALE_BUFFERS = ("scale", "scale_e8m0", "tensor_scale", "dq_codes", "dq_scale", "dq_mean", "lut_offset", "lut")
 DQ_BLOCK = 256  # QLoRA's double quantization: the absmax scales in blocks of 256, as 8-bit floats
 E4M3_MAX = 448.0
 E4M3_TINY = torch.finfo(torch.float8_e4m3fn).tiny  # 2^-6, the smallest normal E4M3 (torchao's E4M3_EPS)
@@ -153,7 +173,11 @@ def format_qparams(
     zero None, extra). NVFP4's per-tensor scale comes from tensor_amax (default: x's own amax).
 
     >>> p = format_qparams(w, FORMATS["mxfp4"], 32)   # p.scale: powers of two, p.extra["e8m0"]: uint8
+
+    A "lut" format (any4): min-max scale + offset and each row's table by plain (unweighted) k-means.
     """
+    if fmt.scale == "lut":
+        return lut_qparams(x, fmt.bits, group_size, scale_dtype)
     amax = grouped(x.detach().float(), group_size).abs().amax(-1)  # (..., n_groups)
     if fmt.scale == "float":
         info = torch.finfo(scale_dtype)
@@ -174,6 +198,9 @@ def format_qparams(
 
 def with_scales(scales: torch.Tensor, template, fmt: Format):
     """QParams with these block scales and the template's tensor-level parts (e8m0 codes follow the scales)."""
+    if fmt.scale == "lut":
+        raise ValueError(f"format {fmt.name!r}: its scales come with a table fitted to the whole row; they cannot be "
+                         f"set group by group (GPTQ over a learned table is not ported)")
     if fmt.scale == "e8m0":
         return QParams(scales, None, {"e8m0": (torch.frexp(scales)[1] - 1 + 127).to(torch.uint8)})
     if fmt.scale == "nvfp4":
@@ -197,18 +224,24 @@ def _units(xg: torch.Tensor, p, fmt: Format) -> torch.Tensor:
 
 def format_quantize(x: torch.Tensor, p, fmt: Format, group_size: int | None) -> torch.Tensor:
     """Floats (..., K) -> uint8 codes (..., K)."""
+    if fmt.scale == "lut":
+        return lut_encode(x, p, group_size)
     return ungrouped(encode(_units(grouped(x.float(), group_size), p, fmt), fmt.element), x.shape[-1])
 
 
 def format_dequantize(codes: torch.Tensor, p, fmt: Format, group_size: int | None,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """uint8 codes (..., K) -> floats decode(code) * effective scale."""
+    """uint8 codes (..., K) -> floats decode(code) * effective scale ("lut": lut[row, code] * scale + offset)."""
+    if fmt.scale == "lut":
+        return lut_dequantize(codes, p, group_size, dtype)
     values = grouped(decode(codes, fmt.element), group_size) * effective_scale(p, fmt).unsqueeze(-1)
     return ungrouped(values, codes.shape[-1]).to(dtype)
 
 
 def format_fake_quantize(x: torch.Tensor, p, fmt: Format, group_size: int | None, ste: bool = True) -> torch.Tensor:
     """dequantize(quantize(x)) in fp32, returned in x's dtype; with ste the rounding passes gradients (STE)."""
+    if fmt.scale == "lut":
+        return lut_fake_quantize(x, p, group_size, ste)
     xg = grouped(x.float(), group_size)
     q = round_to_element(_units(xg, p, fmt), fmt.element, ste) * effective_scale(p, fmt).unsqueeze(-1)
     return ungrouped(q, x.shape[-1]).to(x.dtype)
@@ -216,6 +249,8 @@ def format_fake_quantize(x: torch.Tensor, p, fmt: Format, group_size: int | None
 
 def scale_storage(p, fmt: Format, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The tensors a frozen layer keeps for its scales, in their stored dtype."""
+    if fmt.scale == "lut":
+        return lut_storage(p, scale_dtype)
     if fmt.scale == "e8m0":
         return {"scale_e8m0": p.extra["e8m0"].clone()}
     if fmt.scale == "nvfp4":
@@ -227,6 +262,8 @@ def scale_storage(p, fmt: Format, scale_dtype: torch.dtype) -> dict[str, torch.T
 
 def qparams_from_storage(buffers: dict[str, torch.Tensor], fmt: Format, shape: torch.Size):
     """Inverse of scale_storage: the QParams the fake-quant forward used, bit for bit."""
+    if "lut" in buffers:
+        return lut_from_storage(buffers)
     if "scale_e8m0" in buffers:
         e = buffers["scale_e8m0"]
         return QParams(torch.ldexp(torch.ones(e.shape, device=e.device), e.to(torch.int32) - 127), None, {"e8m0": e})
@@ -240,6 +277,8 @@ def qparams_from_storage(buffers: dict[str, torch.Tensor], fmt: Format, shape: t
 def storage_shapes(fmt: Format, groups: tuple, scale_dtype: torch.dtype,
                    double_quant: bool) -> dict[str, tuple[tuple, torch.dtype]]:
     """Buffer name -> (shape, dtype) of a frozen layer's scales (groups = (out, n_groups)), for loading."""
+    if fmt.scale == "lut":
+        return lut_storage_shapes(groups, fmt.bits, scale_dtype)
     if fmt.scale == "e8m0":
         return {"scale_e8m0": (groups, torch.uint8)}
     if fmt.scale == "nvfp4":
@@ -253,7 +292,10 @@ def storage_shapes(fmt: Format, groups: tuple, scale_dtype: torch.dtype,
 
 def scale_nbytes(fmt: Format, n_scales: int, scale_dtype: torch.dtype, double_quant: bool) -> int:
     """Bytes of a layer's scales: E8M0 one byte each, NVFP4 one E4M3 byte each + a fp32 tensor scale,
-    double-quantized NF4 one byte each + fp32 per 256 + the fp32 mean."""
+    double-quantized NF4 one byte each + fp32 per 256 + the fp32 mean; a "lut" format a scale + offset each (its
+    tables: table_nbytes)."""
+    if fmt.scale == "lut":
+        return 2 * n_scales * scale_dtype.itemsize
     if fmt.scale == "e8m0":
         return n_scales
     if fmt.scale == "nvfp4":
@@ -261,3 +303,8 @@ def scale_nbytes(fmt: Format, n_scales: int, scale_dtype: torch.dtype, double_qu
     if double_quant:
         return n_scales + 4 * math.ceil(n_scales / DQ_BLOCK) + 4
     return n_scales * scale_dtype.itemsize
+
+
+def table_nbytes(fmt: Format, rows: int, scale_dtype: torch.dtype) -> int:
+    """Bytes of a layer's per-row tables: 2^bits values per row in the scale dtype ("lut" formats; else 0)."""
+    return rows * 2**fmt.bits * scale_dtype.itemsize if fmt.scale == "lut" else 0

@@ -29,6 +29,8 @@ class WeightSpec:
     left at its default takes the format's. MX fixes blocks of 32 and NVFP4 of 16 (group_size None takes
     them), NF4 defaults to absmax blocks of 64; double_quant (NF4 only) double-quantizes the absmax.
     scale_dtype None: the format's own (int float16, fp8/nf4 float32; MX E8M0 and NVFP4 E4M3 are fixed).
+    any4 / any3 / any2 (core/lut.py) keep a table of 2^bits values per row (fp16 like their scales) and a scale +
+    offset per group of 128 (by default): asymmetric, so symmetric reads false; method "any4" learns the tables.
     llama.cpp's types (core/ggml: q4_0, q4_k, q6_k, iq4_xs, ...) fix everything: bits (the code's), group_size (the
     type's block, 32 or 256), symmetric (false for the types with mins: q4_1, q5_1, q2_k, q4_k, q5_k), the scales.
     """
@@ -62,13 +64,15 @@ class WeightSpec:
         if self.bits not in (4, fmt.bits):  # 4: the default, left as is
             raise ValueError(f"format {fmt.name!r} has {fmt.bits}-bit elements; bits = {self.bits} contradicts it "
                              f"(leave bits out or set {fmt.bits})")
-        if self.symmetric is not True:
+        if fmt.scale == "lut":  # min-max groups with an offset: the format fixes it, as llama.cpp's types with mins
+            object.__setattr__(self, "symmetric", False)
+        elif self.symmetric is not True:
             raise ValueError(f"format {fmt.name!r} is symmetric (no zero point); symmetric = {self.symmetric!r}")
         group = self.group_size if self.group_size is not None else fmt.block
         if fmt.fixed_block and group != fmt.block:
             raise ValueError(f"format {fmt.name!r} fixes blocks of {fmt.block} (its spec); group_size = "
                              f"{self.group_size} is not allowed (leave it out)")
-        if fmt.scale != "float":
+        if fmt.scale not in ("float", "lut"):
             if self.scale_dtype is not None:
                 raise ValueError(f"format {fmt.name!r} stores its scales as {fmt.default_scale_dtype} (its spec); "
                                  f"scale_dtype = {self.scale_dtype!r} is not allowed (leave it out)")
@@ -112,7 +116,7 @@ class WeightSpec:
             return resolve_dtype(self.scale_dtype)
         if self.fmt is None or self.ggml is not None:
             return torch.float16
-        return torch.float32 if self.fmt.scale != "float" else resolve_dtype(self.fmt.default_scale_dtype)
+        return torch.float32 if self.fmt.scale not in ("float", "lut") else resolve_dtype(self.fmt.default_scale_dtype)
 
     def qparams(self, w: torch.Tensor, tensor_amax: torch.Tensor | None = None,
                 importance: torch.Tensor | None = None) -> QParams:
@@ -155,6 +159,12 @@ class WeightSpec:
         if self.fmt is None:
             return n_scales * (self.torch_scale_dtype.itemsize + (0 if self.symmetric else 1))
         return formats.scale_nbytes(self.fmt, n_scales, self.torch_scale_dtype, self.double_quant)
+
+    def table_nbytes(self, rows: int) -> int:
+        """Bytes of the per-row tables of a layer with `rows` output features (any4 / any3 / any2; else 0)."""
+        if self.fmt is None or self.ggml is not None:
+            return 0
+        return formats.table_nbytes(self.fmt, rows, self.torch_scale_dtype)
 
     def describe(self) -> str:
         g = "channel" if self.group_size is None else f"g{self.group_size}"
@@ -302,7 +312,8 @@ class QuantLinear(nn.Module):
         groups = self.out_features * n_groups(self.in_features, self.spec.group_size)
         if self.float_zero:  # HQQ: a scale and a zero per group, both in the scale dtype (freeze checks it)
             return packing.packed_nbytes(n, self.spec.bits) + 2 * groups * self.spec.torch_scale_dtype.itemsize
-        return packing.packed_nbytes(n, self.spec.bits) + self.spec.scale_nbytes(groups)
+        tables = self.spec.table_nbytes(self.out_features)  # any4's per-row tables
+        return packing.packed_nbytes(n, self.spec.bits) + self.spec.scale_nbytes(groups) + tables
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, {self.spec.describe()}, "

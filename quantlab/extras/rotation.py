@@ -13,6 +13,7 @@ import time
 from ..core.extras import BEFORE_QUANTIZE, RunExtra, register_extra
 from ..core.registry import get_method, nested_configs
 from ..transforms.rotation import RotationConfig, check_rotatable, rotate_model
+from ..transforms.spinquant import learn_rotations
 
 
 @register_extra
@@ -30,7 +31,14 @@ class Rotation(RunExtra):
                     "residual rotation folded into the weights)")
         return None
 
+    def needs_calibration_for(self, config: RotationConfig) -> bool:
+        return config.kind == "spinquant"
+
     def check(self, config: RotationConfig, method_config, backend: str) -> None:
+        if config.kind == "spinquant" and _act_quant(method_config) is None:
+            raise ValueError(f"rotation kind 'spinquant' learns its rotations against the run's activation "
+                             f"quantization; method {get_method(method_config).name!r} quantizes no activations "
+                             f"(use dynamic, e.g. W4A4: method = \"dynamic\", act_bits = 4)")
         for c in nested_configs(method_config):
             method = get_method(c)
             if config.scope == "online" and method.folds_channel_scales(c):
@@ -56,7 +64,22 @@ class Rotation(RunExtra):
             check_rotatable(config, model_config)
 
     @contextlib.contextmanager
-    def apply(self, model, config: RotationConfig):
+    def apply(self, model, config: RotationConfig, calibration=None, method_config=None):
         t0 = time.perf_counter()
-        facts = rotate_model(model, config)  # weights: stays (the run's model is a copy); no hook to undo but R4's
-        yield facts | {"rotate_s": time.perf_counter() - t0}
+        learned, row = None, {}
+        if config.kind == "spinquant":
+            bits, symmetric = _act_quant(method_config)
+            learned = learn_rotations(model, calibration, config, bits, symmetric)
+            row = {"spinquant_loss_before": learned.loss_before, "spinquant_loss_after": learned.loss_after,
+                   "spinquant_act_bits": bits}
+        facts = rotate_model(model, config, learned)  # weights: stays (the run's model is a copy)
+        yield facts | row | {"rotate_s": time.perf_counter() - t0}
+
+
+def _act_quant(method_config) -> tuple[int, bool] | None:
+    """(act_bits, symmetric) of the run's activation quantization, None where activations stay float."""
+    bits = get_method(method_config).act_bits_for(method_config)
+    if bits is None:
+        return None
+    holder = next((c for c in nested_configs(method_config) if getattr(c, "act_bits", None) == bits), method_config)
+    return bits, bool(getattr(holder, "act_symmetric", True))

@@ -16,11 +16,12 @@ import torch
 
 from ..calibration.blocks import float_weights
 from ..calibration.imatrix import collect_imatrix
+from ..core import formats
 from ..core.clipping import CLIP_SEARCHES, WEIGHT_OBSERVERS, normalized_importance, search_qparams
 from ..core.lifecycle import freeze_all, swap_in_quant_linears
 from ..core.overrides import LayerOverride, parse_overrides, spec_for
 from ..core.qlinear import QuantLinear, WeightSpec
-from ..core.registry import LayerSelection, Method, register_method
+from ..core.registry import LayerSelection, Method, get_method, register_method
 from ..util.checks import check_choice
 
 
@@ -57,6 +58,15 @@ class RTNConfig:
             object.__setattr__(self, field, getattr(spec, field))
         check_choice("observer", self.observer, WEIGHT_OBSERVERS)
         formats_used = sorted({self.format} | {o.format for o in self.overrides if o.format is not None})
+        learned = [f for f in formats_used if f in formats.FORMATS and formats.FORMATS[f].scale == "lut"]
+        if learned:
+            try:
+                who = f"method {get_method(self).name!r}"
+            except KeyError:  # a config class not (yet) registered
+                who = type(self).__name__
+            raise ValueError(f"format {learned[0]!r} is a lookup table learned per weight row (k-means): use method = "
+                             f"\"any4\" with bits = {formats.FORMATS[learned[0]].bits}; {who} rounds to fixed grids "
+                             f"and does not take it (GPTQ over the LUT grid is not ported: quantlab/methods/any4.py)")
         if self.observer != "minmax" and formats_used != ["int"]:
             raise ValueError(f"observer {self.observer!r} searches integer grids; format "
                              f"{', '.join(f for f in formats_used if f != 'int')!r} has its own rounding "

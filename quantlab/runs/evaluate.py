@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 def run_key(exp: Experiment, run: RunSpec, device: torch.device) -> str:
     method = get_method(run.config)
     # training (QAT) reads its windows from the calibration protocol too
-    needs_calib = method.needs_calibration_for(run.config) or method.needs_training_for(run.config)
+    needs_calib = method.needs_calibration_for(run.config) or method.needs_training_for(run.config) or any(
+        extra.needs_calibration_for(config) for extra, config in run.extras)  # SpinQuant learns from them too
     ident = {
         "run": {"name": run.name, "method": get_method(run.config).name, **non_default_fields(run.config),
                 **({"backend": run.backend} if run.backend != "simulated" else {}),
@@ -211,12 +212,14 @@ def _is_float_model(run: RunSpec, method, model, evaluated) -> bool:
     return method.baseline and evaluated is model and not run.extras
 
 
-def _apply_extras(stack: contextlib.ExitStack, run: RunSpec, stage: str, model) -> dict:
-    """Enter each of the run's extras of `stage` on `model`; `stack` (the run's) leaves them when the run is done."""
+def _apply_extras(stack: contextlib.ExitStack, run: RunSpec, stage: str, model, calib=None) -> dict:
+    """Enter each of the run's extras of `stage` on `model`; `stack` (the run's) leaves them when the run is done.
+    An extra that learns from data gets the calibration windows and the run's method config."""
     fields = {}
     for extra, config in run.extras:
         if extra.stage == stage:
-            fields |= stack.enter_context(extra.apply(model, config))
+            data = {"calibration": calib, "method_config": run.config} if extra.needs_calibration_for(config) else {}
+            fields |= stack.enter_context(extra.apply(model, config, **data))
     return fields
 
 
@@ -234,11 +237,13 @@ def evaluate_run(ctx: EvalContext, run: RunSpec) -> dict:
     model = copy.deepcopy(ctx.model)
     method = get_method(run.config)
     needs_calib, needs_train = method.needs_calibration_for(run.config), method.needs_training_for(run.config)
+    extra_calib = any(extra.needs_calibration_for(config) for extra, config in run.extras)
     calib_protocol = run.calibration or exp.calibration
-    calib = [w.unsqueeze(0) for w in ctx.calibration(seed, calib_protocol)] if needs_calib or needs_train else None
+    calib = [w.unsqueeze(0) for w in ctx.calibration(seed, calib_protocol)] \
+        if needs_calib or needs_train or extra_calib else None
     checkpoints = Path(ctx.cache_dir or default_cache_dir()) / "checkpoints" / run_key(exp, run, ctx.device)
     with contextlib.ExitStack() as extras:
-        applied = _apply_extras(extras, run, BEFORE_QUANTIZE, model)  # GPTQ / static ranges see a rotated model
+        applied = _apply_extras(extras, run, BEFORE_QUANTIZE, model, calib)  # GPTQ / static ranges see it rotated
         summary = quantize(model, run.config, calibration=calib if needs_calib else None,
                            training=calib if needs_train else None,
                            teacher=ctx.model if method.needs_teacher_for(run.config) else None,
@@ -258,7 +263,7 @@ def evaluate_run(ctx: EvalContext, run: RunSpec) -> dict:
     row.update({k: v for k, v in summary.items() if k.endswith("_s") or k.startswith("train_")})
     row.update(summary["diagnostics"])  # what calibrate() reported, e.g. AWQ's chosen alphas
     row.update(exported | applied)
-    if needs_calib or needs_train:
+    if needs_calib or needs_train or extra_calib:
         c = calib_protocol
         row.update(calib_source=ctx.calib_sources[c], calib_samples=c.num_samples, calib_seq_len=c.seq_len)
     del model, evaluated

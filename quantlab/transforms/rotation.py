@@ -21,6 +21,8 @@ For a pre-norm decoder with RMSNorm (Llama family), with Q orthogonal:
 
 kind "hadamard" (QuaRot): R1 = diag(random +-1) H / sqrt(n), seeded; R2 likewise per head; R4 the plain H / sqrt(n).
 kind "random": Haar-random orthogonal R1 and R2 (R4 stays a Hadamard: online it must be fast).
+kind "spinquant": R1 and one R2 per layer learned by Cayley SGD against the run's activation quantization
+(transforms/spinquant.py; `steps`, `lr`), then folded as the Hadamards are.
 Folding runs in float64, then casts back to the weights' dtype.
 
 scope "online" (a named variant, for any architecture): no folding through norms; every linear except the output
@@ -44,7 +46,7 @@ from ..models.arch import find_blocks, rotation_facts
 from ..util.checks import check_choice, check_int
 from .hadamard import factor_order, hadamard_matrix, hadamard_transform, random_orthogonal, random_signs
 
-KINDS = ("hadamard", "random")
+KINDS = ("hadamard", "random", "spinquant")
 SCOPES = ("residual", "online")
 
 
@@ -52,7 +54,8 @@ SCOPES = ("residual", "online")
 class RotationConfig:
     """kind: "hadamard" (randomized Hadamard, QuaRot) or "random" (Haar orthogonal); seed: the random signs or
     matrix; r2: per-head rotation of v_proj / o_proj; r4: online Hadamard on down_proj's input; o_proj_hadamard:
-    online Hadamard on o_proj's input, across heads (QuaRot; false: quantlab's first, within-head-only variant)."""
+    online Hadamard on o_proj's input, across heads (QuaRot; false: quantlab's first, within-head-only variant);
+    steps, lr: kind "spinquant"'s Cayley SGD (the reference's 100 steps at lr 1.5)."""
 
     kind: str = "hadamard"
     seed: int = 0
@@ -60,6 +63,8 @@ class RotationConfig:
     r4: bool = True
     scope: str = "residual"
     o_proj_hadamard: bool = True
+    steps: int = 100
+    lr: float = 1.5
 
     def __post_init__(self):
         check_choice("rotation kind", self.kind, KINDS)
@@ -68,6 +73,11 @@ class RotationConfig:
             raise ValueError(f"rotation scope 'online' runs a fast Hadamard in every forward; kind {self.kind!r} "
                              f"is not supported with it (use kind = \"hadamard\")")
         check_int("rotation seed", self.seed, 0)
+        check_int("rotation steps", self.steps, 1)
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not self.lr > 0:
+            raise ValueError(f"rotation lr must be a number > 0 (SpinQuant's is 1.5), got {self.lr!r}")
+        if self.kind == "spinquant" and (self.scope != "residual" or not self.r2):
+            raise ValueError("rotation kind 'spinquant' learns R1 and R2: it needs scope = \"residual\" and r2 = true")
         for field in ("r2", "r4", "o_proj_hadamard"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"rotation {field} must be true or false, got {getattr(self, field)!r}")
@@ -77,7 +87,8 @@ class RotationConfig:
             return "rot online hadamard (every linear input)"
         parts = ["R1"] + (["R2"] if self.r2 else []) + (["R4"] if self.r4 else []) + (
             ["o_proj online"] if self.o_proj_hadamard else [])
-        return f"rot {self.kind} {'+'.join(parts)}"
+        learned = f" ({self.steps} steps)" if self.kind == "spinquant" else ""
+        return f"rot {self.kind} {'+'.join(parts)}{learned}"
 
     @property
     def online_hadamards(self) -> bool:
@@ -89,7 +100,8 @@ class RotationConfig:
         out |= {"scope": self.scope} if self.scope != "residual" else {}  # run keys of residual runs stay
         # always written for residual rotations: rows stored before it existed lack it and ran without it
         # (extras/rotation.py parse_stored), so both variants now get new run keys
-        return out | ({"o_proj_hadamard": self.o_proj_hadamard} if self.scope == "residual" else {})
+        out |= {"o_proj_hadamard": self.o_proj_hadamard} if self.scope == "residual" else {}
+        return out | ({"steps": self.steps, "lr": self.lr} if self.kind == "spinquant" else {})
 
 
 class OnlineHadamard:
@@ -105,6 +117,8 @@ def has_online_rotation(module: nn.Module) -> bool:
 
 def _orthogonal(n: int, config: RotationConfig, seed: int) -> torch.Tensor:
     """The n x n float64 rotation Q of this kind (x -> x Q)."""
+    if config.kind == "spinquant":
+        raise ValueError("rotation kind 'spinquant' folds learned matrices: pass learn_rotations()'s result")
     if config.kind == "random":
         return random_orthogonal(n, seed)
     return random_signs(n, seed)[:, None] * hadamard_matrix(n).to(torch.float64) / n ** 0.5
@@ -196,7 +210,7 @@ def check_rotatable(config: RotationConfig, model_config) -> dict:
         {"attention width (heads x head_dim)": heads * (getattr(model_config, "head_dim", None) or hidden // heads)}
         if config.o_proj_hadamard else {})
     for what, n in sizes.items():
-        if config.kind == "hadamard" or what in ("intermediate_size", "attention width (heads x head_dim)"):
+        if config.kind != "random" or what in ("intermediate_size", "attention width (heads x head_dim)"):
             try:
                 factor_order(n)
             except ValueError as e:
@@ -205,9 +219,10 @@ def check_rotatable(config: RotationConfig, model_config) -> dict:
 
 
 @torch.no_grad()
-def rotate_model(model: nn.Module, config: RotationConfig) -> dict:
+def rotate_model(model: nn.Module, config: RotationConfig, learned=None) -> dict:
     """Rotate a float model in place: Llama family R1 (+ R2, R4) folded, or scope "online" on any model; returns
     facts for the result row. The model computes the same logits afterwards (to float round-off); quantize it next.
+    learned: kind "spinquant"'s matrices (transforms/spinquant.py LearnedRotations: R1 and one R2 per block).
     """
     _check_float(model)
     if config.scope == "online":
@@ -219,12 +234,14 @@ def rotate_model(model: nn.Module, config: RotationConfig) -> dict:
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
     head_dim = getattr(cfg, "head_dim", None) or hidden // n_heads
     inter = cfg.intermediate_size
-    q1 = _orthogonal(hidden, config, config.seed)
+    if (config.kind == "spinquant") != (learned is not None):
+        raise ValueError("rotation: learned matrices go with kind 'spinquant' and only with it")
+    q1 = learned.r1 if learned is not None else _orthogonal(hidden, config, config.seed)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     untied = _untie_head(model, head, embed)
     _set(embed.weight, embed.weight.detach().to(torch.float64) @ q1)
     _fold_norm_into(model.get_submodule(facts["final_norm"]), [head], q1, facts["final_norm"])
-    qh = _orthogonal(head_dim, config, config.seed + 1) if config.r2 else None
+    qh = None if not config.r2 or learned is not None else _orthogonal(head_dim, config, config.seed + 1)
     q4 = hadamard_matrix(inter).to(torch.float64) / inter ** 0.5 if config.r4 else None
     for i, block in enumerate(find_blocks(model)):
         for norm_name, consumers in facts["norm_to_linears"]:
@@ -232,8 +249,8 @@ def rotate_model(model: nn.Module, config: RotationConfig) -> dict:
                             f"block {i} {norm_name}")
         for name in facts["out_linears"]:
             _rotate_output(block.get_submodule(name), q1)
-        if qh is not None:
-            _rotate_heads(block, facts, qh, n_heads, n_kv)
+        if qh is not None or learned is not None:
+            _rotate_heads(block, facts, qh if learned is None else learned.r2[i], n_heads, n_kv)
         if q4 is not None:
             _rotate_input_online(block.get_submodule(facts["down"]), q4)
         if config.o_proj_hadamard:
