@@ -170,3 +170,37 @@ def test_isolated_memory_of_smollm2_holds_the_forwards_logits(tmp_path):
     assert row["peak_rss_mib"] - row["loaded_rss_mib"] >= logits_mib, row["memory_probe"]
     assert row["loaded_rss_mib"] > row["weight_mib"] and row["peak_rss_mib"] < row["loaded_rss_mib"] + 1024
     assert "saved quantized model (backend simulated)" in row["memory_probe"]
+
+
+def test_calibrating_rows_carry_the_peak_rss_of_quantizing(tiny_model_dir, tmp_path, monkeypatch):
+    """Reference: a method that holds 256 MiB more while it calibrates raises quantize_peak_rss_mib by at least
+    that over an identical run that does not (VmHWM is reset before each quantize); rtn, which calibrates nothing,
+    has no such column."""
+    from quantlab.methods.gptq import GPTQ
+
+    if not evaluate.reset_peak_rss():
+        pytest.skip("this OS cannot reset the peak RSS (Linux /proc/self/clear_refs)")
+    runs = [{"name": "rtn", "method": "rtn", "bits": 4, "group_size": 32},
+            {"name": "gptq", "method": "gptq", "bits": 4, "group_size": 32}]
+    cal = {"dataset": str(tiny_model_dir / "sample.txt"), "num_samples": 2, "seq_len": 32}
+
+    def experiment():
+        exp = _experiment(tiny_model_dir, runs)
+        return parse_experiment({"name": "tiny_mem", "model": str(tiny_model_dir), "device": "cpu",
+                                 "eval": {k: getattr(exp.eval, k) for k in ("dataset", "seq_len", "max_windows",
+                                                                           "kl_windows", "latency")},
+                                 "calibration": cal, "run": runs})
+
+    plain = runner.run_experiment(experiment(), tmp_path / "plain", progress=False).set_index("run")
+    calibrate = GPTQ.calibrate
+
+    def hungry(self, *args, **kwargs):
+        ballast = torch.ones(256 * 2**20 // 4)  # 256 MiB, touched
+        out = calibrate(self, *args, **kwargs)
+        assert float(ballast[-1]) == 1.0
+        return out
+
+    monkeypatch.setattr(GPTQ, "calibrate", hungry)
+    fat = runner.run_experiment(experiment(), tmp_path / "fat", progress=False).set_index("run")
+    assert "quantize_peak_rss_mib" not in plain.columns or pd.isna(plain.loc["rtn", "quantize_peak_rss_mib"])
+    assert fat.loc["gptq", "quantize_peak_rss_mib"] >= plain.loc["gptq", "quantize_peak_rss_mib"] + 250

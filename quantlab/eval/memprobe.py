@@ -53,7 +53,8 @@ def _status_mib(key: str) -> float | None:
     return None
 
 
-def _reset_peak_rss() -> bool:
+def reset_peak_rss() -> bool:
+    """Reset this process' peak RSS (VmHWM) to its current RSS; False where the OS has no such switch."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
         return True
@@ -61,7 +62,7 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def _lifetime_peak_mib() -> float:
+def peak_rss_mib() -> float:
     """Peak RSS since exec: VmHWM (ru_maxrss would carry the parent's peak over fork + exec on Linux)."""
     hwm = _status_mib("VmHWM")
     if hwm is not None:
@@ -139,12 +140,12 @@ def _child(spec: dict) -> dict:
     out = {"cpu_threads": torch.get_num_threads()}
     if "allocate_mib" in spec:
         gc.collect()
-        reset = _reset_peak_rss()
+        reset = reset_peak_rss()
         base = _status_mib("VmRSS")
         x = torch.ones(int(spec["allocate_mib"] * MIB) // 4)  # float32, every page touched
         out.update(allocated_mib=x.numel() * 4 / MIB)
         del x
-        return out | {"baseline_rss_mib": base, "peak_rss_mib": _lifetime_peak_mib(), "peak_reset": reset}
+        return out | {"baseline_rss_mib": base, "peak_rss_mib": peak_rss_mib(), "peak_reset": reset}
     model, summary = _load(spec)
     out.update(summary)
     if not spec.get("onnx_dir"):  # an ORT session holds its weights outside PyTorch
@@ -152,20 +153,20 @@ def _child(spec: dict) -> dict:
     gen = torch.Generator().manual_seed(int(spec.get("seed", 0)))
     batch, n = int(spec.get("batch", 1)), int(spec.get("prefill_tokens", 128))
     prompt = torch.randint(0, model.config.vocab_size, (batch, n), generator=gen)
-    out["load_peak_rss_mib"] = _lifetime_peak_mib()
+    out["load_peak_rss_mib"] = peak_rss_mib()
     # warm-up: one short pass, so one-time kernel initialization and lazy imports count as loaded, not as inference
     measure_latency(model, prompt[:1, :8], 2, warmup=0, repeats=1)
     gc.collect()
     _release_free_heap()
     out["loaded_rss_mib"] = _status_mib("VmRSS")
-    out["peak_reset"] = _reset_peak_rss()
+    out["peak_reset"] = reset_peak_rss()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     out.update(_measured_pass(model, prompt, int(spec.get("decode_tokens", 32))))
     if device.type == "cuda":
         out.update(peak_vram_mib=torch.cuda.max_memory_allocated(device) / MIB,
                    peak_vram_reserved_mib=torch.cuda.max_memory_reserved(device) / MIB)
-    return out | {"peak_rss_mib": _lifetime_peak_mib()}
+    return out | {"peak_rss_mib": peak_rss_mib()}
 
 
 def measure_peak_memory(spec: dict, timeout_s: float = 900) -> dict:

@@ -49,6 +49,7 @@ TABLE_COLUMNS = [
     ("decode_speedup", "× decode speed", "{:.2f}"),
     ("prefill_speedup", "× prefill speed", "{:.2f}"),
     ("calibrate_s", "calibrate s", "{:.1f}"),
+    ("quantize_peak_rss_mib", "calibrate peak RSS MiB", "{:.0f}"),  # the process while quantizing (runs/evaluate.py)
     ("train_steps", "train steps", "{:.0f}"),
     ("train_tokens", "train tokens", "{:.0f}"),
     ("train_loss_final", "train loss final", "{:.4f}"),

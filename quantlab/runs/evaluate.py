@@ -29,7 +29,7 @@ from ..core.registry import get_method, method_versions, non_default_fields
 from ..eval import measure_latency, peak_memory_mib, perplexity, reset_peak_memory, weight_stats
 from ..eval.embedding import embedding_fidelity, layer_output_errors, mean_pooled_embeddings, sentences_from_text
 from ..eval.lmeval import check_tasks, run_lm_eval
-from ..eval.memprobe import isolated_run_memory
+from ..eval.memprobe import isolated_run_memory, peak_rss_mib, reset_peak_rss
 from ..eval.perplexity import KL_REFERENCE_ON_THE_FLY, KL_TOKEN_STATS
 from ..models.data import (
     bos_description,
@@ -243,12 +243,14 @@ def evaluate_run(ctx: EvalContext, run: RunSpec) -> dict:
         if needs_calib or needs_train or extra_calib else None
     checkpoints = Path(ctx.cache_dir or default_cache_dir()) / "checkpoints" / run_key(exp, run, ctx.device)
     with contextlib.ExitStack() as extras:
-        applied = _apply_extras(extras, run, BEFORE_QUANTIZE, model, calib)  # GPTQ / static ranges see it rotated
-        summary = quantize(model, run.config, calibration=calib if needs_calib else None,
-                           training=calib if needs_train else None,
-                           teacher=ctx.model if method.needs_teacher_for(run.config) else None,
-                           checkpoint_dir=checkpoints if needs_train else None, progress=ctx.progress,
-                           train_processes=exp.execution.qat_processes)
+        peak = _PeakRSS(ctx.device) if needs_calib or needs_train or extra_calib else contextlib.nullcontext({})
+        with peak as quantize_memory:
+            applied = _apply_extras(extras, run, BEFORE_QUANTIZE, model, calib)  # GPTQ / static ranges see it rotated
+            summary = quantize(model, run.config, calibration=calib if needs_calib else None,
+                               training=calib if needs_train else None,
+                               teacher=ctx.model if method.needs_teacher_for(run.config) else None,
+                               checkpoint_dir=checkpoints if needs_train else None, progress=ctx.progress,
+                               train_processes=exp.execution.qat_processes)
         isolated = _isolated_memory(ctx, run, model, method) if exp.eval.memory == "isolated" else {}
         onnx_dir = Path(ctx.cache_dir or default_cache_dir()) / "onnx" / run_key(exp, run, ctx.device)
         evaluated, exported = export_for_run(model, run.backend, not method.baseline, ctx.eval_ids[:64].unsqueeze(0),
@@ -262,7 +264,7 @@ def evaluate_run(ctx: EvalContext, run: RunSpec) -> dict:
     row.update(weight_stats(model))  # the quantized PyTorch model's storage (onnxruntime: ort_model_mib too)
     row.update({k: v for k, v in summary.items() if k.endswith("_s") or k.startswith("train_")})
     row.update(summary["diagnostics"])  # what calibrate() reported, e.g. AWQ's chosen alphas
-    row.update(exported | applied)
+    row.update(exported | applied | quantize_memory)
     if needs_calib or needs_train or extra_calib:
         c = calib_protocol
         row.update(calib_source=ctx.calib_sources[c], calib_samples=c.num_samples, calib_seq_len=c.seq_len)
@@ -270,6 +272,27 @@ def evaluate_run(ctx: EvalContext, run: RunSpec) -> dict:
     if needs_train and checkpoints.exists():  # the row is about to be saved: the run will not resume
         shutil.rmtree(checkpoints)
     return row
+
+
+class _PeakRSS:
+    """The process' peak memory while calibrating or training (the float model, its copy being quantized, the
+    calibration windows and the method's own state together): quantize_peak_rss_mib from Linux's VmHWM, reset on
+    entry (absent where the OS cannot reset it); on CUDA also quantize_peak_cuda_mib (peak allocated)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.out = device, {}
+
+    def __enter__(self) -> dict:
+        self.reset = reset_peak_rss()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return self.out
+
+    def __exit__(self, *exc) -> None:
+        if self.reset:
+            self.out["quantize_peak_rss_mib"] = peak_rss_mib()
+        if self.device.type == "cuda":
+            self.out["quantize_peak_cuda_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
 
 
 def _measure(ctx: EvalContext, run: RunSpec, model, evaluated, is_float: bool) -> dict:
