@@ -180,10 +180,10 @@ def _config_only_model(tmp_path, model_type, **fields):
 
 @pytest.mark.parametrize("case", ["eval-seq-len", "calibration-seq-len", "run-calibration-seq-len",
                                   "rotation-bert", "rotation-gemma3", "rotation-head-dim", "awq-gpt-neox",
-                                  "kv-group"])
+                                  "kv-group", "calibration-memory"])
 def test_what_the_models_config_refuses_fails_before_its_weights_load(case, tiny_model_dir, tmp_path, monkeypatch):
     """Checks that need the config alone run before load_model (and so before the fp32 row is evaluated)."""
-    from quantlab.runs import evaluate
+    from quantlab.runs import evaluate, preflight
 
     monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: pytest.fail("the model's weights were loaded"))
     fp32, gptq = {"name": "fp32", "method": "none"}, {"name": "gptq", "method": "gptq", "bits": 4}
@@ -210,11 +210,21 @@ def test_what_the_models_config_refuses_fails_before_its_weights_load(case, tiny
     elif case == "kv-group":  # the tiny Llama's head_dim is 16: groups of 5 straddle it
         runs = [fp32, {"name": "kv", "method": "none", "kv_cache": {"bits": 4, "group_size": 5}}]
         match = r"run 'kv' .*: kv group_size 5 does not divide llama's head_dim 16; valid: 1, 2, 4, 8, 16"
+    elif case == "calibration-memory":  # a 70B-shaped Llama: about 560 GB of fp32 weights, twice
+        model = _config_only_model(tmp_path, "llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                   num_attention_heads=64, num_key_value_heads=8, vocab_size=128256)
+        monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 24 * 2**30)
+        runs = [fp32, gptq]
+        match = (r"^run 'gptq' on model '.*llama': calibrating on 128 windows of 512 tokens needs about 5\d\d\.\d GiB "
+                 r"\(the float model and the copy being quantized 5\d\d\.\d GiB, .*one decoder block: 855\.6M weights, "
+                 r"Hessians .* MiB \(the widest input is down_proj input, 28672\)\), but 24\.0 GiB is available; lower "
+                 r"calibration\.num_samples")
     else:
         model, runs = _config_only_model(tmp_path, "gpt_neox"), [fp32, {"name": "awq", "method": "awq"}]
         match = r"run 'awq' .*: awq: model_type 'gpt_neox' has no architecture entry; supported: .*llama"
     exp = parse_experiment({"name": "pre", "model": str(model), "device": "cpu", "eval": {"seq_len": 32} | eval_table,
-                            "calibration": {"seq_len": 512} if case == "calibration-seq-len" else {}, "run": runs})
+                            "calibration": {"seq_len": 512} if case == "calibration-seq-len" else
+                            {"num_samples": 128, "seq_len": 512} if case == "calibration-memory" else {}, "run": runs})
     with pytest.raises(ValueError, match=match):
         runner.run_experiment(exp, tmp_path / "reports", progress=False)
     assert not (tmp_path / "reports" / "pre.results.jsonl").exists() or not (
@@ -366,3 +376,19 @@ def test_run_key_changes_when_a_method_version_changes(tiny_model_dir, monkeypat
     assert after[0] != before[0] and after[1] != before[1]
     assert after[2] == before[2]
     assert method_versions(exp.runs[1].config) == {"awq": bumped}
+
+
+def test_the_calibration_estimate_counts_the_real_parameters(tiny_model):
+    """Reference: the tiny Llama's own parameter count (tied embedding once), fp32; hidden states and Hessians by
+    hand from its shapes (hidden 64, MLP 128 wide per the fixture's config)."""
+    from quantlab.eval.estimate import estimate_calibration
+
+    model = tiny_model[0]
+    cfg = model.config
+    est = estimate_calibration(cfg, 4, 32)
+    assert est.model_bytes == sum(p.numel() for p in model.parameters()) * 4
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    assert est.hidden_state_bytes == 4 * (4 * 32) * h * 4
+    hessians = (3 * h * h + inter * inter) * 4  # q/k/v, o_proj, gate/up inputs are hidden wide; down_proj's is MLP
+    assert est.block_bytes > hessians and f"Hessians {hessians / 2**20:.0f} MiB" in est.largest_block
+    assert est.total_bytes == 2 * est.model_bytes + est.hidden_state_bytes + est.block_bytes

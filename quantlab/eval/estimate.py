@@ -244,3 +244,43 @@ def format_estimate(est: MemoryEstimate) -> str:
         lines.append(f"  {verdict} in {est.device_memory_bytes / GIB:.2f} GiB "
                      f"({100 * est.total_bytes / est.device_memory_bytes:.1f}% used)")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class CalibrationEstimate:
+    """What block-by-block calibration holds at its peak (bytes): the float model and the copy being quantized,
+    the calibration windows' hidden states at one block boundary (inputs and outputs, float and quantized streams),
+    the largest block's Hessians (one per distinct input: q/k/v share one, gate/up share one) and its attention
+    scores for one window. An upper-side estimate: methods that keep less (RTN-based AWQ stats) fit under it."""
+
+    model_bytes: int
+    hidden_state_bytes: int
+    block_bytes: int
+    largest_block: str
+
+    @property
+    def total_bytes(self) -> int:
+        return 2 * self.model_bytes + self.hidden_state_bytes + self.block_bytes
+
+
+def estimate_calibration(config, num_samples: int, seq_len: int, dtype: str = "float32") -> CalibrationEstimate:
+    """The peak of calibrating `config`'s model on num_samples windows of seq_len tokens (CalibrationEstimate).
+
+    >>> estimate_calibration(load_config("smollm2-135m"), 32, 512).total_bytes / GIB   # about 1.3
+    """
+    linears, floats = _shapes(config)
+    fb = dtype_bytes(check_dtype("dtype", dtype))
+    model_bytes = (sum(o * i for o, i in linears) + floats) * fb
+    h, heads, inter = config.hidden_size, config.num_attention_heads, config.intermediate_size
+    hd = getattr(config, "head_dim", None) or h // heads
+    tokens = num_samples * seq_len
+    hidden = 4 * tokens * h * 4  # fp32 block inputs and outputs, float and quantized streams
+    inputs = {"q/k/v input": h, "o_proj input": heads * hd, "gate/up input": h, "down_proj input": inter}
+    hessians = sum(n * n * 4 for n in inputs.values())
+    scores = heads * seq_len * seq_len * 4 * 2  # one window's attention probabilities and their softmax input
+    block_weights = sum(o * i for o, i in linears[:7]) * 4 * 2  # the block's fp32 weights and a working copy
+    block = hessians + scores + block_weights
+    widest = max(inputs, key=inputs.get)
+    largest = (f"one decoder block: {sum(o * i for o, i in linears[:7]) / 1e6:.1f}M weights, Hessians "
+               f"{hessians / MIB:.0f} MiB (the widest input is {widest}, {inputs[widest]})")
+    return CalibrationEstimate(model_bytes, hidden, block, largest)

@@ -10,9 +10,13 @@ models/arch.py arch_for), from the same config fields.
 """
 from __future__ import annotations
 
+import os
+
+import torch
+
 from ..core.ggml.gguffile import read_header
 from ..core.registry import get_method, nested_configs
-from ..eval.estimate import load_config
+from ..eval.estimate import GIB, estimate_calibration, load_config
 from ..models.arch import arch_for
 
 
@@ -41,6 +45,45 @@ def preflight(exp, runs, cache_dir=None, config=None) -> None:
             _check_architecture(run, config)
         except ValueError as e:
             raise ValueError(f"run {run.name!r} on {where}: {e}") from None
+    _check_calibration_memory(exp, runs, config, where)
+
+
+def available_memory_bytes() -> int | None:
+    """Host memory available now (psutil), or None where it cannot be read."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available)
+
+
+def _check_calibration_memory(exp, runs, config, where: str) -> None:
+    """On the CPU, refuse a calibrating run whose estimated peak (eval/estimate.py estimate_calibration) exceeds the
+    memory available now, naming the need, its parts and the largest block. QUANTLAB_SKIP_MEMORY_CHECK=1 skips it."""
+    if os.environ.get("QUANTLAB_SKIP_MEMORY_CHECK") == "1" or str(exp.device).startswith("cuda") or (
+            exp.device == "auto" and torch.cuda.is_available()):
+        return
+    calibrating = [r for r in runs if get_method(r.config).needs_calibration_for(r.config)
+                   or get_method(r.config).needs_training_for(r.config)]
+    if not calibrating:
+        return
+    try:
+        sized = [(r, estimate_calibration(config, (r.calibration or exp.calibration).num_samples,
+                                          (r.calibration or exp.calibration).seq_len, exp.dtype))
+                 for r in calibrating]
+    except ValueError:  # an architecture the estimate does not know: nothing to check
+        return
+    run, est = max(sized, key=lambda pair: pair[1].total_bytes)
+    available = available_memory_bytes()
+    if available is None or est.total_bytes <= available:
+        return
+    c = run.calibration or exp.calibration
+    raise ValueError(
+        f"run {run.name!r} on {where}: calibrating on {c.num_samples} windows of {c.seq_len} tokens needs about "
+        f"{est.total_bytes / GIB:.1f} GiB (the float model and the copy being quantized "
+        f"{2 * est.model_bytes / GIB:.1f} GiB, hidden states {est.hidden_state_bytes / GIB:.1f} GiB, "
+        f"{est.largest_block}), but {available / GIB:.1f} GiB is available; lower calibration.num_samples or "
+        f"seq_len, or use a machine with more memory (QUANTLAB_SKIP_MEMORY_CHECK=1 runs it anyway)")
 
 
 def _check_length(field: str, length: int, max_positions: int, where: str) -> None:
