@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from ..core.qlinear import QuantLinear
 from ..models.arch import find_blocks
 from ..util.checks import check_choice
+from .streaming import enter_block, leave_block
 
 NEXT_INPUTS = ("quantized", "float")
 
@@ -269,6 +270,7 @@ def for_each_block(
     blocks = find_blocks(model)
     for i, block in enumerate(tqdm(blocks, desc=desc, leave=False, disable=not progress)):
         kwargs = block_kwargs[i]
+        enter_block(model, block)  # a streamed copy (calibration/streaming.py): the block takes its own tensors
         if next_inputs == "float":
             with float_weights(prepared_linears(block)):
                 outputs = run_block(block, inputs, kwargs)
@@ -276,5 +278,6 @@ def for_each_block(
         else:
             process(i, block, inputs, kwargs)
             outputs = run_block(block, inputs, kwargs)
+        leave_block(model, block)  # a streamed copy: the block freezes now, its fp32 weights released
         inputs = outputs
     model.train(was_training)

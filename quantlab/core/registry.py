@@ -53,6 +53,12 @@ class Method:
 
     # ---- capabilities: what code outside the registry asks instead of a method's name -------------------
 
+    def streams_blocks(self, config: Any) -> bool:
+        """Whether every tensor it writes is written inside its block walk, between the walker's enter_block and
+        leave_block (calibration/streaming.py): its run may then quantize a copy that shares the float model's
+        blocks until it reaches each, and freeze each block as it leaves it."""
+        return False
+
     def folds_channel_scales(self, config: Any) -> bool:
         """Whether it folds per-input-channel scales into the weights (AWQ, SmoothQuant): an online rotation of
         every linear's input would rotate channels the scales were fitted to."""

@@ -33,6 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..util.memory import release_free_heap
 from ..util.plugins import load_plugins, loaded_plugins
 
 log = logging.getLogger(__name__)
@@ -69,17 +70,6 @@ def peak_rss_mib() -> float:
         return hwm
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / MIB if sys.platform == "darwin" else rss / 1024
-
-
-def _release_free_heap() -> None:
-    """Return freed heap pages to the OS (glibc malloc_trim), so loader garbage is not counted as inference."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _load(spec: dict):
@@ -157,7 +147,7 @@ def _child(spec: dict) -> dict:
     # warm-up: one short pass, so one-time kernel initialization and lazy imports count as loaded, not as inference
     measure_latency(model, prompt[:1, :8], 2, warmup=0, repeats=1)
     gc.collect()
-    _release_free_heap()
+    release_free_heap()  # loader garbage is not counted as inference
     out["loaded_rss_mib"] = _status_mib("VmRSS")
     out["peak_reset"] = reset_peak_rss()
     if device.type == "cuda":

@@ -130,6 +130,9 @@ class Any4(Method):
     config_cls = Any4Config
     needs_calibration = True
 
+    def streams_blocks(self, config) -> bool:
+        return True  # its writes all happen in its block walk (calibration/streaming.py)
+
     def prepare(self, model, config: Any4Config) -> None:
         swap_in_quant_linears(model, config.selection, config.weight_spec)
 

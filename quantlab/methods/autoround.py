@@ -53,6 +53,7 @@ from ..calibration.blocks import (
     prepared_linears,
     run_block,
 )
+from ..calibration.streaming import enter_block, leave_block
 from ..core.lifecycle import freeze_all, swap_in_quant_linears
 from ..core.primitives import QParams, code_range, grouped, n_groups, round_ste, ungrouped
 from ..core.qlinear import QuantLinear, WeightSpec
@@ -322,6 +323,9 @@ class AutoRound(Method):
     config_cls = AutoRoundConfig
     needs_calibration = True
 
+    def streams_blocks(self, config) -> bool:
+        return True  # its writes all happen in its block walk (calibration/streaming.py)
+
     def describe(self, config: AutoRoundConfig, dtype: str = "float32") -> str:
         """The grid's text, "+ full_range" on auto-round's own symmetric grid: "w4 g128 sym + full_range"."""
         return super().describe(config, dtype) + (" + full_range" if config.full_range else "")
@@ -338,12 +342,14 @@ class AutoRound(Method):
         q_inputs, generator, results = inputs, torch.Generator().manual_seed(config.seed), []
         for block, kwargs in zip(tqdm(find_blocks(model), desc="autoround", leave=False, disable=not progress),
                                  block_kwargs):
+            enter_block(model, block)
             with float_weights(prepared_linears(block)):
                 targets = run_block(block, inputs, kwargs)  # the float block on float inputs
             train_inputs = q_inputs if config.next_inputs == "quantized" else inputs
             results.append(autoround_block(block, train_inputs, targets, kwargs, config, generator))
             if config.next_inputs == "quantized":
                 q_inputs = run_block(block, q_inputs, kwargs)
+            leave_block(model, block)
             inputs = targets
         model.train(was_training)
         return diagnostics(results, config)

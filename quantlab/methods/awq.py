@@ -276,6 +276,9 @@ class AWQ(Method):
     needs_calibration = True
     version = 2  # 2: reference-exact defaults (module loss, symmetric clip without q/k, float block inputs)
 
+    def streams_blocks(self, config) -> bool:
+        return True  # its writes all happen in its block walk (calibration/streaming.py)
+
     def folds_channel_scales(self, config: AWQConfig) -> bool:
         return True
 

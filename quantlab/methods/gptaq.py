@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from ..calibration import blocks
 from ..calibration.blocks import capture_block_calls, float_weights, run_block
+from ..calibration.streaming import enter_block, leave_block
 from ..core.qlinear import QuantLinear
 from ..core.registry import register_method
 from ..models.arch import find_blocks
@@ -114,6 +115,7 @@ class GPTAQ(GPTQ):
         damps, drift = [], []
         for index, block in enumerate(tqdm(find_blocks(model), desc="gptaq", leave=False, disable=not progress)):
             kwargs = block_kwargs[index]
+            enter_block(model, block)
             stages = gptq_stages(block, config, model_type)
             layers = {n: block.get_submodule(n) for stage in stages for n in stage}
             float_in, f_outputs = _float_inputs(block, layers, f_inputs, kwargs)
@@ -143,6 +145,7 @@ class GPTAQ(GPTQ):
                     drift.append(float(st.dxxt.norm() / st.hessian.norm().clamp_min(1e-30)))
                     del stats[name].float_inputs
             q_inputs, f_inputs = run_block(block, q_inputs, kwargs), f_outputs
+            leave_block(model, block)
         model.train(was_training)
         return {"gptaq_damp_max": max(damps, default=config.damp),
                 "gptaq_damp_raised_layers": sum(d > config.damp for d in damps),

@@ -262,6 +262,9 @@ class GPTQ(Method):
     config_cls = GPTQConfig
     needs_calibration = True
 
+    def streams_blocks(self, config) -> bool:
+        return True  # its writes all happen in its block walk (calibration/streaming.py)
+
     def describe(self, config: GPTQConfig, dtype: str = "float32") -> str:
         return super().describe(config, dtype) + observer_suffix(config)
 

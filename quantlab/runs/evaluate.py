@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..backends import export_for_run
+from ..calibration.streaming import shared_copy
 from ..core.extras import AFTER_EXPORT, BEFORE_QUANTIZE, extras_to_dict
 from ..core.grid import grid_fields
 from ..core.lifecycle import quantize
@@ -44,6 +45,7 @@ from ..models.data import (
 )
 from ..models.loading import default_cache_dir, load_model, model_info, source_gguf
 from ..reporting.report import LATENCY_REF, SPEED_COLUMNS, scheme
+from ..util.memory import release_free_heap
 from .experiment import Experiment, RunSpec
 
 log = logging.getLogger(__name__)
@@ -234,8 +236,10 @@ def evaluate_run(ctx: EvalContext, run: RunSpec) -> dict:
     exp = ctx.exp
     seed = exp.seed if run.seed is None else run.seed
     torch.manual_seed(seed)
-    model = copy.deepcopy(ctx.model)
     method = get_method(run.config)
+    streamed = (exp.execution.stream_blocks and method.streams_blocks(run.config)
+                and not any(extra.stage == BEFORE_QUANTIZE for extra, _ in run.extras))
+    model = shared_copy(ctx.model) if streamed else copy.deepcopy(ctx.model)
     needs_calib, needs_train = method.needs_calibration_for(run.config), method.needs_training_for(run.config)
     extra_calib = any(extra.needs_calibration_for(config) for extra, config in run.extras)
     calib_protocol = run.calibration or exp.calibration
@@ -283,6 +287,7 @@ class _PeakRSS:
         self.device, self.out = device, {}
 
     def __enter__(self) -> dict:
+        release_free_heap()  # the heap an earlier phase freed (evaluation logits) is not this run's
         self.reset = reset_peak_rss()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -186,6 +186,9 @@ class ExecutionConfig:
     num_gpus: float = 0
     max_retries: int = 1  # a dead worker's run is retried this many times
     qat_processes: int = 1
+    # block-walking methods quantize a copy that shares the float model's blocks until it reaches each
+    # (calibration/streaming.py): bitwise the same codes, about one model's weights less memory; false: a full copy
+    stream_blocks: bool = True
 
     def __post_init__(self):
         for name in ("num_cpus", "num_gpus"):
@@ -196,3 +199,5 @@ class ExecutionConfig:
             raise ValueError("execution: num_cpus and num_gpus are both 0; a run needs some resource")
         check_int("execution.max_retries", self.max_retries, 0)
         check_int("execution.qat_processes", self.qat_processes, 1, MAX_PROCESSES)
+        if not isinstance(self.stream_blocks, bool):
+            raise ValueError(f"execution.stream_blocks must be true or false, got {self.stream_blocks!r}")
