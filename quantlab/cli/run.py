@@ -4,6 +4,7 @@
     quantlab run experiments/grid.toml --executor ray [--address auto|HOST:PORT]
     quantlab report reports/smollm2_quickstart.results.jsonl [--out DIR]
     quantlab compare A.csv B.csv [--out diff.md]
+    quantlab compare --all-pairs REPORT.csv [--alpha 0.05] [--out leaderboard.md]
 """
 from __future__ import annotations
 
@@ -40,6 +41,13 @@ def cmd_export(args) -> int:
     exp = load_experiment(args.experiment)
     facts = export_run(exp, args.run, args.out, args.format, args.requantize, args.data_dir, args.cache_dir,
                        progress=not args.quiet)
+    if args.format == "compressed-tensors":
+        print(f"wrote {facts['ct_dir']} ({facts['ct_mib']:.1f} MiB): "
+              + ", ".join(f"{n} {label} ({facts['ct_format'][label]})" for label, n in facts["ct_schemes"].items())
+              + f"; left float: {', '.join(facts['ct_ignored'])}")
+        for note in facts.get("ct_notes") or []:
+            print(f"note: {note}")
+        return 0
     print(f"wrote {facts['gguf_path']} ({facts['gguf_mib']:.1f} MiB): "
           + ", ".join(f"{n} {t}" for t, n in facts["gguf_types"].items()))
     if facts["gguf_requantized"]:
@@ -98,16 +106,37 @@ def cmd_compare(args) -> int:
     from ..reporting.compare import compare_markdown, compare_reports
     from ..util.checks import read_utf8
 
+    _check_compare_args(args)
     for path in (args.a, args.b):  # a CSV that is not UTF-8 fails naming itself (pandas would not say which)
-        if os.path.isfile(path):
+        if path is not None and os.path.isfile(path):
             read_utf8(path)
-    metrics = args.metrics.split(",") if args.metrics else None
-    text = compare_markdown(compare_reports(args.a, args.b, metrics), args.a, args.b)
+    if args.all_pairs:
+        from ..reporting.leaderboard import leaderboard, leaderboard_markdown, load_rows
+
+        text = leaderboard_markdown(*leaderboard(load_rows(args.a), 0.05 if args.alpha is None else args.alpha))
+    else:
+        metrics = args.metrics.split(",") if args.metrics else None
+        text = compare_markdown(compare_reports(args.a, args.b, metrics), args.a, args.b)
     print(text, end="")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(text)
     return 0
+
+
+def _check_compare_args(args) -> None:
+    """Two reports, or one with --all-pairs; the options of one mode refused in the other."""
+    if args.all_pairs:
+        if args.b is not None:
+            raise ValueError(f"--all-pairs ranks the runs of one report; got two ({args.a}, {args.b})")
+        if args.metrics:
+            raise ValueError("--metrics applies to comparing two reports, not to --all-pairs (which ranks by ppl)")
+    else:
+        if args.b is None:
+            raise ValueError(f"compare needs two reports, A and B (got only {args.a}); or rank the runs of one "
+                             "report against each other with --all-pairs")
+        if args.alpha is not None:
+            raise ValueError("--alpha applies to --all-pairs only")
 
 
 def add_commands(sub) -> None:
@@ -133,18 +162,24 @@ def add_commands(sub) -> None:
     p.add_argument("--experiment", help="experiment TOML whose description and findings template to use instead "
                    "of the sidecar's (after editing them, or for results without a sidecar)")
     p.set_defaults(func=cmd_report)
-    p = sub.add_parser("compare", help="diff two report CSVs run by run")
-    p.add_argument("a")
-    p.add_argument("b")
+    p = sub.add_parser("compare", help="diff two report CSVs run by run, or rank one report's runs (--all-pairs)")
+    p.add_argument("a", help="report A (with --all-pairs: the report, X.csv or X.results.jsonl)")
+    p.add_argument("b", nargs="?", help="report B (not with --all-pairs)")
     p.add_argument("--metrics", help="comma-separated columns (default: the usual metrics both have)")
+    p.add_argument("--all-pairs", action="store_true",
+                   help="a leaderboard of one report: every pair of runs compared over the shared windows (paired "
+                        "t-test, Holm-adjusted), letters for the runs it cannot tell apart")
+    p.add_argument("--alpha", type=float, help="with --all-pairs: the level for the Holm-adjusted p (default 0.05)")
     p.add_argument("--out", help="also write the comparison as Markdown here")
     p.set_defaults(func=cmd_compare)
     p = sub.add_parser("export", help="quantize one run of an experiment and write it for an engine (a GGUF for "
-                                      "llama.cpp)")
+                                      "llama.cpp, a compressed-tensors folder for transformers / vLLM)")
     p.add_argument("experiment", help="the experiment TOML file")
-    p.add_argument("out", help="the file to write, e.g. out/model-q4_k_m.gguf")
+    p.add_argument("out", help="the file (gguf, e.g. out/model-q4_k_m.gguf) or folder (compressed-tensors) to write")
     p.add_argument("--run", required=True, help="the run's name in the experiment")
-    p.add_argument("--format", default="gguf", choices=["gguf"], help="the file format (default gguf)")
+    p.add_argument("--format", default="gguf", choices=["gguf", "compressed-tensors"],
+                   help="gguf (a file llama.cpp runs; the default) or compressed-tensors (a checkpoint folder "
+                        "transformers and vLLM load)")
     p.add_argument("--requantize", metavar="TYPE", default=None,
                    help="quantize layers whose grid has no GGUF type to this llama.cpp type (q4_k, q8_0, ...); "
                         "the file lists them under quantlab.requantized")

@@ -17,7 +17,8 @@ class Embedding(RunExtra):
     stage = AFTER_EXPORT
 
     def refusal(self, config: EmbeddingQuantConfig, backend: str) -> str | None:
-        return "does not export a quantized embedding (embedding = {...})" if backend in ("onnxruntime", "llama.cpp") else None
+        return "does not export a quantized embedding (embedding = {...})" if backend in ("onnxruntime", "llama.cpp", "compressed-tensors") \
+            else None
 
     @contextlib.contextmanager
     def apply(self, model, config: EmbeddingQuantConfig):

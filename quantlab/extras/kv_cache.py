@@ -23,7 +23,8 @@ class KVCache(RunExtra):
         return kv_describe(config)
 
     def refusal(self, config: KVCacheConfig, backend: str) -> str | None:
-        return "does not export a quantized KV cache (kv_cache = {...})" if backend in ("onnxruntime", "llama.cpp") else None
+        return "does not export a quantized KV cache (kv_cache = {...})" if backend in ("onnxruntime", "llama.cpp", "compressed-tensors") \
+            else None
 
     def check_model_config(self, config: KVCacheConfig, model_config) -> None:
         heads = getattr(model_config, "num_attention_heads", None)
