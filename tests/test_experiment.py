@@ -215,8 +215,8 @@ def test_what_the_models_config_refuses_fails_before_its_weights_load(case, tiny
                                    num_attention_heads=64, num_key_value_heads=8, vocab_size=128256)
         monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 24 * 2**30)
         runs = [fp32, gptq]
-        match = (r"^run 'gptq' on model '.*llama': calibrating on 128 windows of 512 tokens needs about 5\d\d\.\d GiB "
-                 r"\(the float model and the copy being quantized 5\d\d\.\d GiB, .*one decoder block: 855\.6M weights, "
+        match = (r"^run 'gptq' on model '.*llama': calibrating on 128 windows of 512 tokens needs about 2\d\d\.\d GiB "
+                 r"\(the float model 2\d\d\.\d GiB, the copy being quantized 7\.8 GiB, .*one decoder block: 855\.6M weights, "
                  r"Hessians .* MiB \(the widest input is down_proj input, 28672\)\), but 24\.0 GiB is available; lower "
                  r"calibration\.num_samples")
     else:
@@ -392,3 +392,8 @@ def test_the_calibration_estimate_counts_the_real_parameters(tiny_model):
     hessians = (3 * h * h + inter * inter) * 4  # q/k/v, o_proj, gate/up inputs are hidden wide; down_proj's is MLP
     assert est.block_bytes > hessians and f"Hessians {hessians / 2**20:.0f} MiB" in est.largest_block
     assert est.total_bytes == 2 * est.model_bytes + est.hidden_state_bytes + est.block_bytes
+    streamed = estimate_calibration(cfg, 4, 32, streamed=True)  # the copy: all but the decoder linears' weights
+    linears = sum(m.weight.numel() for n, m in model.named_modules()
+                  if type(m).__name__ == "Linear" and n.startswith("model.layers."))
+    assert streamed.copy_bytes == (sum(p.numel() for p in model.parameters()) - linears) * 4
+    assert streamed.total_bytes < est.total_bytes

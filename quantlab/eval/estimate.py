@@ -248,23 +248,27 @@ def format_estimate(est: MemoryEstimate) -> str:
 
 @dataclass(frozen=True)
 class CalibrationEstimate:
-    """What block-by-block calibration holds at its peak (bytes): the float model and the copy being quantized,
-    the calibration windows' hidden states at one block boundary (inputs and outputs, float and quantized streams),
-    the largest block's Hessians (one per distinct input: q/k/v share one, gate/up share one) and its attention
-    scores for one window. An upper-side estimate: methods that keep less (RTN-based AWQ stats) fit under it."""
+    """What block-by-block calibration holds at its peak (bytes): the float model, the copy being quantized (all of
+    it, or streamed: what lies outside the decoder blocks, calibration/streaming.py), the calibration windows' hidden
+    states at one block boundary (inputs and outputs, float and quantized streams), the largest block's Hessians
+    (one per distinct input: q/k/v share one, gate/up share one), its attention scores for one window and its
+    weights twice. An upper-side estimate: methods that keep less (RTN-based AWQ stats) fit under it."""
 
     model_bytes: int
+    copy_bytes: int
     hidden_state_bytes: int
     block_bytes: int
     largest_block: str
 
     @property
     def total_bytes(self) -> int:
-        return 2 * self.model_bytes + self.hidden_state_bytes + self.block_bytes
+        return self.model_bytes + self.copy_bytes + self.hidden_state_bytes + self.block_bytes
 
 
-def estimate_calibration(config, num_samples: int, seq_len: int, dtype: str = "float32") -> CalibrationEstimate:
-    """The peak of calibrating `config`'s model on num_samples windows of seq_len tokens (CalibrationEstimate).
+def estimate_calibration(config, num_samples: int, seq_len: int, dtype: str = "float32",
+                         streamed: bool = False) -> CalibrationEstimate:
+    """The peak of calibrating `config`'s model on num_samples windows of seq_len tokens (CalibrationEstimate);
+    streamed: the run's copy shares the decoder blocks (calibration/streaming.py).
 
     >>> estimate_calibration(load_config("smollm2-135m"), 32, 512).total_bytes / GIB   # about 1.3
     """
@@ -283,4 +287,4 @@ def estimate_calibration(config, num_samples: int, seq_len: int, dtype: str = "f
     widest = max(inputs, key=inputs.get)
     largest = (f"one decoder block: {sum(o * i for o, i in linears[:7]) / 1e6:.1f}M weights, Hessians "
                f"{hessians / MIB:.0f} MiB (the widest input is {widest}, {inputs[widest]})")
-    return CalibrationEstimate(model_bytes, hidden, block, largest)
+    return CalibrationEstimate(model_bytes, floats * fb if streamed else model_bytes, hidden, block, largest)

@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from ..core.extras import BEFORE_QUANTIZE
 from ..core.ggml.gguffile import read_header
 from ..core.registry import get_method, nested_configs
 from ..eval.estimate import GIB, estimate_calibration, load_config
@@ -67,9 +68,13 @@ def _check_calibration_memory(exp, runs, config, where: str) -> None:
                    or get_method(r.config).needs_training_for(r.config)]
     if not calibrating:
         return
+    def streamed(r) -> bool:  # as runs/evaluate.py decides
+        return (exp.execution.stream_blocks and get_method(r.config).streams_blocks(r.config)
+                and not any(extra.stage == BEFORE_QUANTIZE for extra, _ in r.extras))
+
     try:
         sized = [(r, estimate_calibration(config, (r.calibration or exp.calibration).num_samples,
-                                          (r.calibration or exp.calibration).seq_len, exp.dtype))
+                                          (r.calibration or exp.calibration).seq_len, exp.dtype, streamed(r)))
                  for r in calibrating]
     except ValueError:  # an architecture the estimate does not know: nothing to check
         return
@@ -80,8 +85,8 @@ def _check_calibration_memory(exp, runs, config, where: str) -> None:
     c = run.calibration or exp.calibration
     raise ValueError(
         f"run {run.name!r} on {where}: calibrating on {c.num_samples} windows of {c.seq_len} tokens needs about "
-        f"{est.total_bytes / GIB:.1f} GiB (the float model and the copy being quantized "
-        f"{2 * est.model_bytes / GIB:.1f} GiB, hidden states {est.hidden_state_bytes / GIB:.1f} GiB, "
+        f"{est.total_bytes / GIB:.1f} GiB (the float model {est.model_bytes / GIB:.1f} GiB, the copy being "
+        f"quantized {est.copy_bytes / GIB:.1f} GiB, hidden states {est.hidden_state_bytes / GIB:.1f} GiB, "
         f"{est.largest_block}), but {available / GIB:.1f} GiB is available; lower calibration.num_samples or "
         f"seq_len, or use a machine with more memory (QUANTLAB_SKIP_MEMORY_CHECK=1 runs it anyway)")
 
