@@ -127,10 +127,10 @@ def test_streaming_lowers_the_calibration_peak_on_smollm2(tmp_path, wikitext_dir
     peaks = {}
     for stream in (False, True):
         exp = parse_experiment({"name": f"peak_{stream}", "model": "smollm2-135m", "device": "cpu",
-                                "eval": {"dataset": "wikitext2", "seq_len": 128, "max_windows": 1, "kl_windows": 1,
+                                "eval": {"dataset": "wikitext2", "seq_len": 64, "max_windows": 1, "kl_windows": 1,
                                          "latency": False},
-                                "calibration": {"dataset": "wikitext2", "split": "validation", "num_samples": 2,
-                                                "seq_len": 128},
+                                "calibration": {"dataset": "wikitext2", "split": "validation", "num_samples": 1,
+                                                "seq_len": 64},
                                 "execution": {"stream_blocks": stream}, "run": runs})
         df = runner.run_experiment(exp, tmp_path / str(stream), data_dir=wikitext_dir, progress=False)
         peaks[stream] = float(df["quantize_peak_rss_mib"].iloc[0])
