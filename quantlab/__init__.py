@@ -9,6 +9,7 @@ register_observer + Observer, register_extra + RunExtra, and load_plugins (what 
 file calls).
 """
 from . import extras, methods  # noqa: F401  (registers the built-in methods and run extras)
+from .backends.ckpt_import import load_quantized_checkpoint
 from .backends.serialize import load_quantized, save_quantized
 from .core.elements import Element
 from .core.extras import RunExtra, get_extra, known_extras, register_extra
@@ -41,7 +42,7 @@ __all__ = [
     # the lifecycle and the harness
     "quantize", "run_calibration", "select_linears", "calibration_windows", "eval_windows", "load_token_ids",
     "measure_latency", "perplexity", "reference_logprobs", "weight_stats", "load_model", "model_info",
-    "load_quantized", "save_quantized", "QuantLinear", "WeightSpec",
+    "load_quantized", "save_quantized", "load_quantized_checkpoint", "QuantLinear", "WeightSpec",
     # methods by config
     "NoneConfig", "RTNConfig", "GPTQConfig", "GPTAQConfig", "HQQConfig", "AWQConfig", "AutoRoundConfig", "DynamicConfig",
     "StaticConfig", "SmoothQuantConfig", "QATConfig", "LoRAConfig", "Any4Config", "get_method", "known_methods",

@@ -94,8 +94,11 @@ def add_config_columns(df: pd.DataFrame) -> pd.DataFrame:
         return df
     df = df.copy()
     cfgs = [json.loads(c) for c in df["config"]]
-    configs = [run_config(c) for c in cfgs]
-    df["scheme"] = [scheme(c, d, config) for c, d, config in zip(cfgs, df["dtype"], configs)]
+    # a row of an imported checkpoint (source_format) describes the file's grid itself: its method config is "none"
+    imported = (df["source_format"].notna() if "source_format" in df else pd.Series(False, index=df.index)).tolist()
+    configs = [None if imp else run_config(c) for c, imp in zip(cfgs, imported)]
+    df["scheme"] = [df["scheme"].iloc[i] if imported[i] and "scheme" in df else scheme(c, d, config)
+                    for i, (c, d, config) in enumerate(zip(cfgs, df["dtype"], configs))]
     fields = []
     for i, (config, d) in enumerate(zip(configs, df["dtype"])):
         stored = {k: df[k].iloc[i] if k in df else None for k in GRID_FIELDS}

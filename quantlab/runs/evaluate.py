@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 
 from ..backends import export_for_run
+from ..backends.ckpt_import import checkpoint_format, load_quantized_checkpoint
 from ..calibration.streaming import shared_copy
 from ..core.extras import AFTER_EXPORT, BEFORE_QUANTIZE, extras_to_dict
 from ..core.grid import grid_fields
-from ..core.lifecycle import quantize
+from ..core.lifecycle import quant_linears, quantize
 from ..core.registry import get_method, method_versions, non_default_fields
 from ..eval import measure_latency, peak_memory_mib, perplexity, reset_peak_memory, weight_stats
 from ..eval.embedding import embedding_fidelity, layer_output_errors, mean_pooled_embeddings, sentences_from_text
@@ -61,6 +62,7 @@ def run_key(exp: Experiment, run: RunSpec, device: torch.device) -> str:
                 **({"backend": run.backend} if run.backend != "simulated" else {}),
                 **extras_to_dict(run.extras)},
         "model": exp.model, "dtype": exp.dtype, "seed": exp.seed, "device": device.type,
+        **({"reference": exp.reference} if exp.reference is not None else {}),
         "eval": non_default_fields(exp.eval),
         # a run's own calibration = {...} counts as what it is: the same protocol as the file's, the same key
         "calibration": non_default_fields(run.calibration or exp.calibration) if needs_calib else None,
@@ -73,14 +75,52 @@ def run_key(exp: Experiment, run: RunSpec, device: torch.device) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def load_models(exp: Experiment, device, cache_dir, progress: bool) -> tuple:
+    """(model, tokenizer, KL reference model, source facts). A quantized checkpoint folder (compressed-tensors, GPTQ,
+    AWQ) is imported with its codes (backends/ckpt_import.py) and measured against exp.reference (None: no KL),
+    whose tokenizer must be the checkpoint's; any other model is loaded as it is and is its own KL reference."""
+    if checkpoint_format(exp.model) is None:
+        model, tokenizer = load_model(exp.model, exp.dtype, str(device), cache_dir, progress=progress)
+        return model, tokenizer, model, {}
+    model, tokenizer, facts = load_quantized_checkpoint(exp.model, exp.dtype, device)
+    if tokenizer is None:
+        raise ValueError(f"model {exp.model!r}: the checkpoint folder holds no tokenizer (save one beside it)")
+    reference = None
+    if exp.reference is not None:
+        reference, ref_tokenizer = load_model(exp.reference, exp.dtype, str(device), cache_dir, progress=progress)
+        if ref_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(f"reference {exp.reference!r}: its tokenizer's vocabulary is not the one of model "
+                             f"{exp.model!r}; KL and top-1 agreement compare the same tokens")
+    return model, tokenizer, reference, facts
+
+
+def source_fields(ctx: EvalContext) -> dict:
+    """An imported checkpoint's row fields: where it came from, what ran, its grid where one scheme covers it."""
+    facts = ctx.source
+    if not facts:
+        return {}
+    specs = {(layer.spec, None if layer.act_quant is None else layer.act_quant.bits)
+             for layer in quant_linears(ctx.model).values()}
+    grid = {}
+    if len(specs) == 1:
+        (spec, act_bits), = specs
+        grid = {"bits": spec.bits, "group_size": spec.group_size, "symmetric": spec.symmetric, "format": spec.format,
+                "act_bits": act_bits}
+    return {"source_format": facts["source_format"], "source_tool": facts["source_tool"],
+            "source_schemes": json.dumps(facts["source_schemes"]), "source_notes": json.dumps(facts["source_notes"]),
+            "scheme": f"imported {facts['source_format']}: " + ", ".join(facts["source_schemes"]),
+            "backend": "simulated (PyTorch dequant on the fly)", "reference_model": ctx.exp.reference, **grid}
+
+
 class EvalContext:
-    """The float model (also the KL reference), token windows and calibration data, shared across runs."""
+    """The float model (also the KL reference), token windows and calibration data, shared across runs. A quantized
+    checkpoint as the model is imported (load_models): kl_model is then exp.reference's float model (or None)."""
 
     def __init__(self, exp: Experiment, device, data_dir, cache_dir, progress: bool):
         self.exp, self.device, self.data_dir, self.cache_dir, self.progress = exp, device, data_dir, cache_dir, progress
         # lm-eval tasks are built (their data sets loaded) before the model: a task the hub must serve fails here
         self.lm_eval_tasks = check_tasks(list(exp.eval.lm_eval_tasks), data_dir) if exp.eval.lm_eval_tasks else None
-        self.model, self.tokenizer = load_model(exp.model, exp.dtype, str(device), cache_dir, progress=progress)
+        self.model, self.tokenizer, self.kl_model, self.source = load_models(exp, device, cache_dir, progress)
         self.max_positions = model_info(self.model)["max_positions"]
         self.bos_id = bos_token_id(self.tokenizer, exp.eval.bos)  # None, or the token every window starts with
         length = exp.eval.seq_len if exp.eval.metric == "perplexity" else exp.eval.max_length
@@ -99,7 +139,7 @@ class EvalContext:
             self.windows = eval_windows(self.eval_ids, e.seq_len, e.max_windows, e.max_tokens, self.bos_id, e.windows)
             # KL reference: ctx.model runs on each KL window right before the evaluated model (perplexity());
             # nothing is stored, so memory does not grow with kl_windows (stored log-probs: T x V x 4 B each)
-            self.kl_windows = min(e.kl_windows, len(self.windows))
+            self.kl_windows = min(e.kl_windows, len(self.windows)) if self.kl_model is not None else 0
             # [eval] datasets: {label: (windows, source)} of every domain, the main one (above) first
             self.domains = {}
             for d in e.datasets or ():
@@ -154,8 +194,8 @@ def _domain_metrics(ctx: EvalContext, model, main: dict) -> dict:
         if windows is ctx.windows:
             ppl = main
         else:
-            kl = min(ctx.exp.eval.kl_windows, len(windows))
-            ppl = perplexity(model, windows, ctx.model if kl else None, ctx.progress, kl_windows=kl if kl else None)
+            kl = min(ctx.exp.eval.kl_windows, len(windows)) if ctx.kl_model is not None else 0
+            ppl = perplexity(model, windows, ctx.kl_model if kl else None, ctx.progress, kl_windows=kl if kl else None)
             reference_s += ppl.get("kl_reference_s") or 0.0
         out.update({f"ppl_{label}": ppl["ppl"], f"nll_mean_{label}": ppl["nll_mean"],
                     f"kl_mean_{label}": ppl.get("kl_mean"), f"top1_agree_{label}": ppl.get("top1_agree"),
@@ -166,7 +206,7 @@ def _domain_metrics(ctx: EvalContext, model, main: dict) -> dict:
 
 
 def _perplexity_metrics(ctx: EvalContext, model) -> dict:
-    reference = ctx.model if ctx.kl_windows else None
+    reference = ctx.kl_model if ctx.kl_windows else None
     ppl = perplexity(model, ctx.windows, reference, ctx.progress, kl_windows=ctx.kl_windows if reference else None)
     domains = _domain_metrics(ctx, model, ppl) if ctx.domains else {}
     if domains:  # eval_s excludes every domain's reference time
@@ -268,7 +308,7 @@ def evaluate_run(ctx: EvalContext, run: RunSpec) -> dict:
     row.update(weight_stats(model))  # the quantized PyTorch model's storage (onnxruntime: ort_model_mib too)
     row.update({k: v for k, v in summary.items() if k.endswith("_s") or k.startswith("train_")})
     row.update(summary["diagnostics"])  # what calibrate() reported, e.g. AWQ's chosen alphas
-    row.update(exported | applied | quantize_memory)
+    row.update(exported | applied | quantize_memory | source_fields(ctx))
     if needs_calib or needs_train or extra_calib:
         c = calib_protocol
         row.update(calib_source=ctx.calib_sources[c], calib_samples=c.num_samples, calib_seq_len=c.seq_len)

@@ -85,6 +85,9 @@ class Experiment:
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     # modules imported before the runs are validated (util/plugins.py): outside methods, formats, observers, extras
     plugins: tuple[str, ...] = ()
+    # the float model KL and top-1 agreement are measured against when `model` is a quantized checkpoint (a
+    # compressed-tensors, GPTQ or AWQ folder, imported with its codes: backends/ckpt_import.py); None: no KL
+    reference: str | None = None
 
     def __post_init__(self):
         check_name("experiment name", self.name)  # reports/<name>.csv, .md, .results.jsonl
@@ -113,6 +116,31 @@ class Experiment:
                 check_ort_run(self, r)
             if r.backend == "llama.cpp":
                 _check_llamacpp_run(self, r)
+        _check_imported(self)
+
+
+def _check_imported(exp: Experiment) -> None:
+    """A quantized checkpoint as `model` is evaluated as imported (backends/ckpt_import.py): its runs are the
+    baseline method alone ("none": no extras, backend "simulated"), on perplexity; `reference` applies to such a
+    model only. Reads the folder's JSON, no weights."""
+    from ..backends.ckpt_import import checkpoint_format
+
+    where = f"experiment {exp.name!r}"
+    if exp.reference is not None and (not isinstance(exp.reference, str) or not exp.reference):
+        raise ValueError(f"{where}: reference must be a model name or path, got {exp.reference!r}")
+    fmt = checkpoint_format(exp.model)
+    if fmt is None:
+        if exp.reference is not None:
+            raise ValueError(f"{where}: reference = {exp.reference!r} applies to a model that is a quantized "
+                             f"checkpoint (compressed-tensors, GPTQ, AWQ); model {exp.model!r} is not one")
+        return
+    if exp.eval.metric != "perplexity" or exp.eval.memory == "isolated":
+        raise ValueError(f"{where}: model {exp.model!r} is a {fmt} checkpoint, evaluated as imported on [eval] "
+                         f"metric \"perplexity\" with memory other than \"isolated\" (its process reloads the model)")
+    for r in exp.runs:
+        if not get_method(r.config).baseline or r.extras or r.backend != "simulated":
+            raise ValueError(f"{where}: run {r.name!r}: model {exp.model!r} is a {fmt} checkpoint, evaluated as "
+                             f"imported: its runs take method \"none\", no extras and backend \"simulated\"")
 
 
 def _check_llamacpp_run(exp: "Experiment", run: RunSpec) -> None:

@@ -95,7 +95,7 @@ def experiment_dict(exp) -> dict:
     """An Experiment -> the dict its TOML file holds (defaults left out)."""
     data: dict[str, Any] = {"name": exp.name, "model": exp.model}
     top = field_defaults(type(exp))
-    for k in ("plugins", "dtype", "device", "seed", "description", "findings"):
+    for k in ("plugins", "reference", "dtype", "device", "seed", "description", "findings"):
         if getattr(exp, k) != top.get(k):
             data[k] = getattr(exp, k)
     for k in ("eval", "calibration", "execution"):
