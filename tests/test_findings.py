@@ -165,10 +165,20 @@ def test_seed_groups_are_addressable_but_not_paired():
         render("{g vs fp32}", rows)
 
 
-def test_section_notes_runs_without_rows():
+def test_section_notes_runs_without_rows_and_generates_the_rest():
+    """A partial experiment (a run failed, or is not run yet): each paragraph or bullet naming a run without a row is
+    replaced by a note naming it; the others are generated as usual."""
     df = add_intervals(add_ratios(pd.DataFrame([_row("fp32", BASE_NLL, method="none")])))
     text = findings_section("{fp32:ppl} vs {gone:ppl}", df, df, FORMATS)
-    assert text.startswith("## Findings") and "**Not generated:** the template names run(s) gone" in text
+    assert text.startswith("## Findings") and "**Not generated:** this paragraph names run(s) gone" in text
+    template = ("Intro {fp32:ppl:.2f}.\n- first {fp32:ppl:.1f}\n  continued\n- second {gone:ppl} and {lost:ppl}\n"
+                "  still second\n\nClosing {fp32:eval_windows}.")
+    text = findings_section(template, df, df, FORMATS)
+    ppl = df["ppl"].iloc[0]
+    body = text.split("\n\n", 2)[2]  # after the header and its note
+    assert body == (f"Intro {ppl:.2f}.\n- first {ppl:.1f}\n  continued\n- **Not generated:** this item names run(s) "
+                    f"gone, lost that have no row in this report (failed, or not run yet); rerun the experiment to "
+                    f"fill it in.\n\nClosing {df['eval_windows'].iloc[0]}.")
     assert findings_section("  ", df, df, FORMATS) == ""
 
 

@@ -353,9 +353,10 @@ def findings_section(template: str, df, summary, formats: dict[str, str],
     """The report's Findings section ("" without a template).
 
     `quoted` holds the rows of each report the template quotes ({report: {run: row}}, see quoted_reports),
-    None for a report whose CSV was not found. Runs that have no row (failed, or not run yet) and quoted
-    reports that are missing leave the section unrendered with a note saying so; any other mismatch (an
-    unknown column, runs on different windows) raises FindingsError.
+    None for a report whose CSV was not found. A paragraph or top-level bullet naming runs that have no row (failed,
+    or not run yet) is replaced by a note saying so, the others are generated; a quoted report that is missing
+    leaves the section unrendered with a note; any other mismatch (an unknown column, runs on different windows)
+    raises FindingsError.
     """
     if not template.strip():
         return ""
@@ -367,9 +368,28 @@ def findings_section(template: str, df, summary, formats: dict[str, str],
                 "beside this report; write (or copy) it there and regenerate.")
     for report, report_rows_ in quoted.items():
         rows.update({f"{report}/{run}": row for run, row in (report_rows_ or {}).items()})
-    absent = sorted({r for p in parse(template) if isinstance(p, Placeholder) for r in p.runs() if r not in rows})
-    if absent:
-        where = "this report" + (" or the report it quotes" if any(split_quoted(r)[0] for r in absent) else "")
-        return (HEADER + f"\n\n**Not generated:** the template names run(s) {', '.join(absent)} that have no row in "
-                f"{where} (failed, or not run yet); rerun the experiment to fill it in.")
-    return HEADER + "\n\n" + render(template, rows, formats).strip()
+    return HEADER + "\n\n" + "".join(_render_part(part, rows, formats) for part in template_parts(template)).strip()
+
+
+def template_parts(template: str) -> list[str]:
+    """The template cut where a paragraph or a top-level bullet ("- ...") starts; each keeps its own line ends."""
+    parts: list[str] = []
+    for line in template.splitlines(keepends=True):
+        starts = not parts or line.startswith("- ") or not line.strip() or not parts[-1].strip()
+        if starts:
+            parts.append(line)
+        else:
+            parts[-1] += line
+    return parts
+
+
+def _render_part(part: str, rows: dict, formats: dict) -> str:
+    """One paragraph or bullet, rendered; one that names runs without a row (failed, or not run yet) says so in
+    their place, and the rest of the section is still generated."""
+    absent = sorted({r for p in parse(part) if isinstance(p, Placeholder) for r in p.runs() if r not in rows})
+    if not absent:
+        return render(part, rows, formats)
+    where = "this report" + (" or the report it quotes" if any(split_quoted(r)[0] for r in absent) else "")
+    bullet = "- " if part.startswith("- ") else ""
+    return (f"{bullet}**Not generated:** this {'item' if bullet else 'paragraph'} names run(s) {', '.join(absent)} "
+            f"that have no row in {where} (failed, or not run yet); rerun the experiment to fill it in.\n")
