@@ -1,23 +1,29 @@
-"""SmolLM2-135M speed and memory on this CPU: fp32 vs bf16 vs int8 weight-only vs W8A8 vs int4, PyTorch/torchao vs ONNX Runtime.
+"""SmolLM2-135M speed and memory on this CPU: fp32 to int4 in PyTorch/torchao, ONNX Runtime and llama.cpp.
 
-    python3 experiments/smollm2_speed.py --threads 1            # ~20 min on a 2-core CPU
-    python3 experiments/smollm2_speed.py --smoke                # ~2 min: tiny shapes, 1 round
+    python3 experiments/smollm2_speed.py --threads 1            # ~35-40 min on a 2-core CPU (estimate)
+    python3 experiments/smollm2_speed.py --smoke                # tiny shapes, 1 round: 25 min at load 4-5
     python3 experiments/smollm2_speed.py --reestimate           # seconds: new estimate columns for the stored rows
 
 Prefill 512 tokens, then greedy decode 64 tokens (no early stop), at batch 1 and 8; every
 configuration measured side by side, interleaved round by round (see quantlab.runs.bench); quantized
-configurations run torchao kernels exported from quantlab's own codes. Peak RSS comes from a
-fresh subprocess per configuration and batch (quantlab.eval.memprobe), next to the estimate of
-quantlab.eval.estimate for the same shapes. Writes reports/smollm2_speed.{csv,md}.
-Budget: the full run must finish within ~25 min with --threads 1 on a 2-core CPU, hence 3 rounds
-(not a minimum time) per configuration and shape. The report states only what was measured about
-the machine: CPU model, logical CPUs, threads, AVX-512 / AMX flags, load average at start and end.
+configurations run torchao kernels exported from quantlab's own codes, ONNX Runtime graphs carrying them, and
+llama.cpp (llama-cpp-python) on GGUF files quantlab wrote from the same float model (F32, Q8_0, Q4_0, Q4_K_M), all in
+the same interleaved rounds. Peak RSS comes from a fresh subprocess per configuration and batch
+(quantlab.eval.memprobe; not for llama.cpp rows), next to the estimate of quantlab.eval.estimate for the same shapes.
+Each row also gets its memory-bandwidth floor: the weight bytes a decode step reads / the read bandwidth measured in
+the same run (quantlab.eval.floor, quantlab.runs.bench.add_floor). Writes reports/smollm2_speed.{csv,md}.
+Budget: the 12-configuration run took 30.2 min with --threads 1 on a 2-core CPU at load ~2; the four llama.cpp
+configurations add their GGUF writing and passes, hence 3 rounds (not a minimum time) per configuration and shape.
+Most of a --smoke run is fixed cost: 7 ONNX exports, 4 GGUF files and 2 memory probes per row. The report states
+only what was measured about the machine: CPU model, logical CPUs, threads, instruction-set flags, load average at
+start and end, read bandwidth.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -31,10 +37,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from quantlab.eval.estimate import MIB  # noqa: E402
+from quantlab.eval.floor import measure_dram_bandwidth  # noqa: E402
 from quantlab.eval.memprobe import measure_peak_memory  # noqa: E402
 from quantlab.models.loading import load_model  # noqa: E402
 from quantlab.reporting.report import markdown_table  # noqa: E402
-from quantlab.runs.bench import SPEED_COLUMNS, BenchConfig, estimate_for, interleaved_latency, prepare, speed_table  # noqa: E402
+from quantlab.runs.bench import (  # noqa: E402
+    SPEED_COLUMNS,
+    BenchConfig,
+    add_floor,
+    estimate_for,
+    interleaved_latency,
+    prepare,
+    speed_table,
+)
 from quantlab.runs.envinfo import environment  # noqa: E402
 
 MODEL = "smollm2-135m"
@@ -53,11 +68,18 @@ CONFIGS = [
     BenchConfig("ort-int4-g128", INT4 | {"group_size": 128}, backend="onnxruntime", ort_accuracy_level=4),
     BenchConfig("ort-int4-g64-acc0", INT4, backend="onnxruntime", ort_accuracy_level=0),
     BenchConfig("ort-w8a8", {"method": "dynamic"}, backend="onnxruntime"),
+    # llama.cpp: GGUF files quantlab writes from the same float model (method "gguf": llama.cpp's own recipes' bytes)
+    BenchConfig("llamacpp-f32", backend="llama.cpp"),
+    BenchConfig("llamacpp-q8_0", {"method": "gguf", "type": "Q8_0"}, backend="llama.cpp"),
+    BenchConfig("llamacpp-q4_0", {"method": "gguf", "type": "Q4_0"}, backend="llama.cpp"),
+    BenchConfig("llamacpp-q4_k_m", {"method": "gguf", "type": "Q4_K_M"}, backend="llama.cpp"),
 ]
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni")  # the x86 vector sets below AVX-512
 
 
 def cpu_facts(cpuinfo: str | None = None) -> dict:
-    """What this CPU is, from /proc/cpuinfo (else platform): model, logical CPUs, AVX-512 and AMX flags."""
+    """What this CPU is, from /proc/cpuinfo (else platform): model, logical CPUs, SIMD (SSE4.2 to AVX-VNNI), AVX-512
+    and AMX flags."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -70,6 +92,7 @@ def cpu_facts(cpuinfo: str | None = None) -> dict:
     flags = set(fields.get("flags", "").split())
     return {"cpu_model": fields.get("model name") or platform.processor() or platform.machine(),
             "logical_cpus": os.cpu_count(),
+            "cpu_simd": " ".join(f for f in SIMD_FLAGS if f in flags) or "none",
             "cpu_avx512": " ".join(sorted(f for f in flags if f.startswith("avx512"))) or "none",
             "cpu_amx": " ".join(sorted(f for f in flags if f.startswith("amx"))) or "none"}
 
@@ -81,8 +104,13 @@ def _load_average() -> float | None:
         return None
 
 
+EST_KEYS = ("est_total_mib", "est_weights_mib", "est_kv_cache_mib", "est_activations_mib", "est_overhead_mib")
+
+
 def _estimate(cfg: BenchConfig, model_config, batch: int, seq_len: int, summary: dict) -> dict:
     est = estimate_for(cfg, model_config, batch, seq_len, summary)
+    if est is None:  # a backend the estimate does not model (llama.cpp)
+        return dict.fromkeys(EST_KEYS, float("nan"))
     return {"est_total_mib": est.total_bytes / MIB, "est_weights_mib": est.weights_bytes / MIB,
             "est_kv_cache_mib": est.kv_cache_bytes / MIB, "est_activations_mib": est.activation_bytes / MIB,
             "est_overhead_mib": est.overhead_bytes / MIB}
@@ -109,6 +137,9 @@ def reestimate(df, model_config):
 
 def _memory(cfg: BenchConfig, save_dir: Path, batch: int, prefill: int, decode: int, threads: int) -> dict:
     spec = {"batch": batch, "prefill_tokens": prefill, "decode_tokens": decode, "threads": threads}
+    if cfg.backend == "llama.cpp":  # memprobe loads torch models and ONNX graphs, not GGUF files
+        return dict.fromkeys(("peak_rss_mib", "load_peak_rss_mib", "loaded_rss_mib", "peak_rss_default_malloc_mib"),
+                             float("nan"))
     if cfg.backend == "onnxruntime":  # the exported graph, loaded in a fresh ORT session
         spec |= {"onnx_dir": str(save_dir / cfg.name)}
     elif cfg.quant is None:
@@ -146,10 +177,13 @@ def main(argv=None) -> int:
     base, tok = load_model(MODEL, "float32", "cpu")
     probe = torch.randint(0, base.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
     save_dir = Path(tempfile.mkdtemp(prefix="quantlab-speed-"))
-    models = {c.name: prepare(c, base, probe, save_dir / c.name if c.quant or c.backend == "onnxruntime" else None,
-                              MODEL) for c in tqdm(CONFIGS, desc="prepare", disable=args.quiet)}
+    own_dir = lambda c: c.quant or c.backend in ("onnxruntime", "llama.cpp")  # noqa: E731
+    models = {c.name: prepare(c, base, probe, save_dir / c.name if own_dir(c) else None, MODEL)
+              for c in tqdm(CONFIGS, desc="prepare", disable=args.quiet)}
     shapes = [(b, prefill, decode) for b in batches]
+    bw_start = measure_dram_bandwidth(repeats=2 if args.smoke else 5)
     rows = interleaved_latency(models, shapes, rounds=rounds, progress=not args.quiet)
+    bw_end = measure_dram_bandwidth(repeats=2 if args.smoke else 5)
     del models
     by_name = {c.name: c for c in CONFIGS}
     for row in rows:
@@ -157,9 +191,13 @@ def main(argv=None) -> int:
         row.update(_memory(cfg, save_dir, row["batch_size"], prefill, decode, args.threads))
         row.update(_estimate(cfg, base.config, row["batch_size"], prefill + decode, row))
         row["est_error_pct"] = 100 * (row["est_total_mib"] / row["peak_rss_mib"] - 1)
+    shutil.rmtree(save_dir, ignore_errors=True)  # ONNX graphs, GGUFs and saved codes: ~3 GB
     env = environment(torch.device("cpu")) | cpu_facts() | {"loadavg_1m_start": load_start,
                                                              "loadavg_1m_end": _load_average()}
-    df = speed_table(rows, baseline="fp32")
+    bw = max(bw_start, bw_end, key=lambda b: b["dram_bandwidth_gbs"])  # the floor is a lower bound: the fastest
+    env |= {"dram_bandwidth_method": bw["dram_bandwidth_method"], "dram_bandwidth_gbs_start":
+            bw_start["dram_bandwidth_gbs"], "dram_bandwidth_gbs_end": bw_end["dram_bandwidth_gbs"]}
+    df = add_floor(speed_table(rows, baseline="fp32"), bw["dram_bandwidth_gbs"], base.config)
     for k, v in env.items():
         df[k] = v
     df["timestamp"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -168,8 +206,11 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / f"{name}.csv", index=False)
     (out / f"{name}.md").write_text(_markdown(df, prefill, decode, rounds, args.threads, time.time() - t0))
-    print(df[["config", "batch_size", "prefill_speedup", "decode_speedup", "peak_rss_mib", "est_error_pct"]]
+    print(df[["config", "batch_size", "prefill_speedup", "decode_speedup", "decode_ms_per_token_p50",
+              "floor_ms_per_token", "decode_vs_floor", "decode_vs_floor_kv", "peak_rss_mib", "est_error_pct"]]
           .to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    print(f"read bandwidth {bw['dram_bandwidth_gbs']:.1f} GB/s ({bw['dram_bandwidth_method']}); load average "
+          f"(1 min) {_load_text(load_start)} at start, {_load_text(env['loadavg_1m_end'])} at end")
     return 0
 
 
@@ -203,14 +244,59 @@ def _rewrite_markdown(out: Path, name: str) -> int:
     return 0
 
 
+def _load_text(v) -> str:
+    return "n/a" if v is None or v != v else f"{v:.2f}"
+
+
 def machine_text(r, threads: int) -> str:
     """Measured facts about the machine only (the row's cpu_facts and load averages)."""
-    def load(v):
-        return "n/a" if v is None or v != v else f"{v:.2f}"
-
     return (f"**Machine.** CPU `{r['cpu_model']}`, {r['logical_cpus']} logical CPUs, {threads} benchmark "
             f"thread(s). AVX-512: {r['cpu_avx512']}. AMX: {r['cpu_amx']} (/proc/cpuinfo flags). Load average "
-            f"(1 min) at start {load(r['loadavg_1m_start'])}, at end {load(r['loadavg_1m_end'])}.")
+            f"(1 min) at start {_load_text(r['loadavg_1m_start'])}, at end {_load_text(r['loadavg_1m_end'])}.")
+
+
+def _times(v: float) -> str:
+    return "n/a" if v != v else f"{v:.2f}x"
+
+
+def findings_text(df) -> str:
+    """The findings, every number from the rows: the machine (CPU, instruction sets, llama.cpp's build, load average,
+    read bandwidth), then per configuration its decode speed-up against torch fp32 and its distance from its
+    memory-bandwidth floor (weights only, and with the KV cache read) at each batch size. "" for rows without
+    floor columns (reports written before them)."""
+    if "decode_vs_floor" not in df or "fp32" not in set(df["config"]):
+        return ""
+    r = df.iloc[0]
+    llama = df["llamacpp_cpu_features"].dropna() if "llamacpp_cpu_features" in df else []
+    head = [f"**Findings** (generated from the rows). CPU `{r['cpu_model']}`; instruction sets (/proc/cpuinfo): "
+            f"{r.get('cpu_simd', 'n/a')}, AVX-512: {r['cpu_avx512']}, AMX: {r['cpu_amx']}"
+            + (f"; the llama.cpp build uses {llama.iloc[0]}" if len(llama) else "")
+            + f". Load average (1 min) {_load_text(r['loadavg_1m_start'])} at start, "
+            f"{_load_text(r['loadavg_1m_end'])} at end. Read bandwidth {r['dram_bandwidth_gbs']:.1f} GB/s "
+            f"({r['dram_bandwidth_method']}; {r.get('dram_bandwidth_gbs_start', float('nan')):.1f} before the rounds, "
+            f"{r.get('dram_bandwidth_gbs_end', float('nan')):.1f} after; the floor takes the faster). Decode speed-up "
+            "= torch fp32 decode ms/token / the configuration's, same batch; × floor = measured decode ms/token / "
+            "(weight bytes a step reads / bandwidth), × floor+KV the same with the KV cache read added (at batch B a "
+            "step makes B tokens from one read of the weights, so both are per step):"]
+    t = df.set_index(["config", "batch_size"])
+    batches = sorted(df["batch_size"].unique())
+    lines = []
+    for name in dict.fromkeys(df["config"]):
+        first = t.loc[(name, batches[0])]
+        per = "; ".join(f"batch {b}: decode {_times(t.loc[(name, b), 'decode_speedup'])} fp32, "
+                        f"{_times(t.loc[(name, b), 'decode_vs_floor'])} its floor of "
+                        f"{t.loc[(name, b), 'floor_ms_per_token']:.2f} ms/token "
+                        f"({_times(t.loc[(name, b), 'decode_vs_floor_kv'])} with the KV cache)"
+                        for b in batches if (name, b) in t.index)
+        lines.append(f"- `{name}` ({first['backend']}, {first['decode_weight_mib']:.1f} MiB read per step, of it "
+                     f"{first['decode_head_bytes'] / 2**20:.1f} MiB output head): {per}.")
+    for b in batches:
+        at = df[df["batch_size"] == b]
+        fast, near = at.loc[at["decode_speedup"].idxmax()], at.loc[at["decode_vs_floor"].idxmin()]
+        lines.append(f"- Batch {b}: fastest decode `{fast['config']}` ({_times(fast['decode_speedup'])} fp32, "
+                     f"{fast['decode_ms_per_token_p50']:.2f} ms/token); closest to its floor `{near['config']}` "
+                     f"({_times(near['decode_vs_floor'])}).")
+    return "\n".join(head + lines)
 
 
 ORT_VS_TORCHAO = [("ort-int8", "int8-wo"), ("ort-int4-g64", "int4-g64-bf16"), ("ort-w8a8", "w8a8-dynamic"),
@@ -226,7 +312,8 @@ def _ratios_text(df) -> str:
         for ort, ref in ORT_VS_TORCHAO:
             if (ort, batch) in t.index and (ref, batch) in t.index:
                 a, b = t.loc[(ort, batch)], t.loc[(ref, batch)]
-                pairs.append(f"`{ort}` vs `{ref}` decode {b['decode_ms_per_token_p50'] / a['decode_ms_per_token_p50']:.2f}x, "
+                decode_x = b["decode_ms_per_token_p50"] / a["decode_ms_per_token_p50"]
+                pairs.append(f"`{ort}` vs `{ref}` decode {decode_x:.2f}x, "
                              f"prefill {b['prefill_ms_p50'] / a['prefill_ms_p50']:.2f}x")
         if pairs:
             parts.append(f"batch {batch}: " + "; ".join(pairs))
@@ -249,6 +336,27 @@ def _ort_parity_text(ort) -> str:
             "here (an experiment row with backend \"onnxruntime\" measures the accuracy_level 0 export).")
 
 
+LLAMACPP_TEXT = (
+    " `llama.cpp`: the float model written as a GGUF by quantlab (F32; Q8_0, Q4_0 and Q4_K_M by method \"gguf\", "
+    "the bytes llama.cpp's own quantizer writes, the token embedding in the recipe's type too) and run by "
+    "llama-cpp-python's low-level API with the same prompts and threads: the sequences of a batch prefilled in one "
+    "llama_batch, then one llama_batch of B tokens per step (batched decoding), F16 KV cache, a fresh context per "
+    "pass; kernels lists the file's tensor types, weights MiB its size; its logits parity (relative RMS against the "
+    "simulated PyTorch model on 64 probe tokens) is not gated: llama.cpp quantizes activations to 8 bits inside its "
+    "quantized dot products.")
+LLAMACPP_MEMORY_TEXT = (" llama.cpp rows have neither: memprobe loads PyTorch models and ONNX graphs only, and the "
+                        "estimate has no llama.cpp backend.")
+FLOOR_TEXT = (
+    "**Floor.** A decode step reads every weight once, so it cannot take less than the bytes it reads divided by the "
+    "memory's read bandwidth (unless they fit the cache). Bytes per step are the configuration's real storage "
+    "(quantlab.eval.floor): a PyTorch model's tensors (codes + scales + zeros as stored, the float head), the ONNX "
+    "graph's initializers, the GGUF file's tensors; the embedding lookup reads one row, the output head its whole "
+    "table, a tied table is counted once. The bandwidth is measured in the same run, before and after the rounds "
+    "(method in the findings). The KV cache is left out of `× floor` and added in `× floor+KV` (every sequence's "
+    "keys and values at the mean context of the decode, in the backend's KV dtype: PyTorch the model's, ORT fp32, "
+    "llama.cpp F16).")
+
+
 def _markdown(df, prefill, decode, rounds, threads, wall_s) -> str:
     r = df.iloc[0]
     env = ", ".join(f"{k} `{r[k]}`" for k in ("device_name", "torch", "transformers", "torchao", "git_sha") if k in df)
@@ -256,7 +364,14 @@ def _markdown(df, prefill, decode, rounds, threads, wall_s) -> str:
     backend = (df["backend"] if "backend" in df else df["config"].map(lambda _: "")).astype(str)
     parity = df[has & backend.str.startswith("torchao")]
     ort = df[has & backend.str.startswith("onnxruntime")].drop_duplicates("config")
-    return "\n\n".join([
+    shown = df.copy()  # llama.cpp's parity in the logits-parity column (its own key in the CSV)
+    if "llamacpp_parity_logits_rel_rms" in df:
+        col = shown["export_parity_logits_rel_rms"] if "export_parity_logits_rel_rms" in shown else float("nan")
+        shown["export_parity_logits_rel_rms"] = col
+        shown["export_parity_logits_rel_rms"] = shown["export_parity_logits_rel_rms"].fillna(
+            df["llamacpp_parity_logits_rel_rms"])
+    has_llamacpp = bool(backend.eq("llama.cpp").any())
+    parts = [
         "# SmolLM2-135M: speed and memory on this CPU",
         f"**Protocol.** Seeded random prompts of {prefill} tokens, then greedy decode of exactly {decode} new "
         f"tokens (no early stop) with the KV cache; prefill computes last-position logits only. Batch "
@@ -267,7 +382,8 @@ def _markdown(df, prefill, decode, rounds, threads, wall_s) -> str:
         "depend on whatever else ran on the CPU (see the load average below); ratios from interleaved rounds are "
         "the robust part. Speedup = fp32 time / config time at the same batch.",
         machine_text(r, threads),
-        markdown_table(df, SPEED_COLUMNS),
+        markdown_table(shown, SPEED_COLUMNS),
+        findings_text(df),
         _ratios_text(df),
         "**Backends.** `float`: PyTorch dense matmuls in the model dtype. `torchao`: the quantized linears "
         "were exported from quantlab's own codes (nothing re-quantized) to torchao kernels: `int8_weight_only` "
@@ -284,7 +400,7 @@ def _markdown(df, prefill, decode, rounds, threads, wall_s) -> str:
         "quantlab's per-token int8 activation grid computed in the graph + `MatMulInteger` (uint8 x int8, exact "
         "int32 sums). ORT parity: relative RMS of the logits vs the simulated PyTorch model on 64 probe tokens, "
         "gated by `PARITY_RMS_TOLERANCE` in quantlab/backends/ort.py; weights MiB of ORT rows is the size of the "
-        "ONNX file and its external data. " + _ort_parity_text(ort),
+        "ONNX file and its external data. " + _ort_parity_text(ort) + (LLAMACPP_TEXT if has_llamacpp else ""),
         "**Memory.** Peak RSS of a fresh subprocess per configuration and batch: the model is loaded "
         "(float: from the checkpoint; quantized: `load_quantized` of the saved codes, then exported), the "
         "freed heap is returned to the OS (`malloc_trim`), the peak is reset (`/proc/self/clear_refs`), and one "
@@ -299,9 +415,12 @@ def _markdown(df, prefill, decode, rounds, threads, wall_s) -> str:
         "embedding (the lm_head's constant-folded transpose; the Gather reads the memory-mapped original), the "
         "larger of the prefill's materialized attention scores (batch x heads x T² x 17 B, T = prefill + decode) "
         "and decode's second KV cache (`present_*` beside `past_*`), and the ONNX Runtime library and session "
-        "on top of the framework constant (terms and where each was measured: quantlab/eval/estimate.py).",
+        "on top of the framework constant (terms and where each was measured: quantlab/eval/estimate.py)."
+        + (LLAMACPP_MEMORY_TEXT if has_llamacpp else ""),
+        FLOOR_TEXT if "decode_vs_floor" in df else "",
         f"**Environment.** {env}. Wall time of the whole benchmark: {wall_s / 60:.1f} min.",
-    ]) + "\n"
+    ]
+    return "\n\n".join(p for p in parts if p) + "\n"
 
 
 if __name__ == "__main__":
