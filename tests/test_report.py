@@ -169,7 +169,7 @@ def test_regeneration_uses_the_sidecar_run_order_not_stale_rows(tiny_model_dir, 
 
 @pytest.mark.parametrize("name", ["smollm2_quickstart", "smollm2_ptq", "minilm_ptq", "smollm2_seeds", "smollm2_qat",
                                   "smollm2_mixed", "smollm2_lora", "minilm_methods2025",
-                                  "smollm2_methods2025"])
+                                  "smollm2_methods2025", "smollm2_rotation", "smollm2_w4a4_2025"])
 @pytest.mark.parametrize("sidecar", [True, False])
 def test_committed_results_regenerate(name, sidecar, tmp_path):
     """Every committed results file regenerates, with or without its sidecar; rows written before
