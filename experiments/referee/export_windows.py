@@ -2,7 +2,7 @@
 
 Runs in quantlab's own environment:
 
-    PYTHONPATH=/work/dev python3 experiments/referee/export_windows.py --out ~/.cache/quantlab/referee/windows
+    python3 experiments/referee/export_windows.py --out ~/.cache/quantlab/referee/windows
     ... --experiment experiments/smollm2_ptq.toml --num-samples 32 --seq-len 512 --seed 0   # the defaults' source
 
 The windows are the experiment's seeded draw from its [calibration] protocol, the validation split (never the

@@ -194,7 +194,7 @@ class LlamaCppCausalLM(nn.Module):
         return SimpleNamespace(logits=torch.from_numpy(np.stack(rows)), past_key_values=None)  # (B, keep, V)
 
 
-def _timed_pass(ctx: LlamaCppContext, prompts: np.ndarray, new_tokens: int) -> tuple[float, list[float]]:
+def timed_pass(ctx: LlamaCppContext, prompts: np.ndarray, new_tokens: int) -> tuple[float, list[float]]:
     """Prefill B prompts (B, N) as B sequences in one llama_batch (logits at each last token), then new_tokens
     greedy steps of one llama_batch of B tokens; ms of the prefill and of each step (argmax included)."""
     b, n = prompts.shape
@@ -241,10 +241,10 @@ def measure_llamacpp_latency(path: str | Path, prompt_len: int = 128, new_tokens
     for b in batch_sizes:
         ctx = LlamaCppContext(model, b * _pad(prompt_len + new_tokens), b * prompt_len, b, threads, flash_attn)
         for _ in range(warmup):
-            _timed_pass(ctx, prompts[:b], min(new_tokens, 4))
+            timed_pass(ctx, prompts[:b], min(new_tokens, 4))
         prefill, steps = [], []
         for _ in range(repeats):
-            p, s = _timed_pass(ctx, prompts[:b], new_tokens)
+            p, s = timed_pass(ctx, prompts[:b], new_tokens)
             prefill.append(p)
             steps += s
         decode_p50 = statistics.median(steps)

@@ -171,40 +171,23 @@ class LlamaCppDecoder:
 
     def measure_latency(self, prompt: torch.Tensor, new_tokens: int, warmup: int = 1, repeats: int = 3,
                         min_time_s: float = 0.0) -> dict:
-        from ..backends.llamacpp import LlamaCppContext
+        from ..backends.llamacpp import LlamaCppContext, timed_pass
 
         ids = prompt.cpu().numpy().astype(np.int32)  # (B, N)
         b, n = ids.shape
         per_seq = -(-(n + new_tokens) // 256) * 256  # llama.cpp pads a sequence's context to 256 positions
         ctx = LlamaCppContext(self.lm.gguf, b * per_seq, b * n, b, self.threads)
         for _ in range(warmup):
-            _llamacpp_pass(ctx, ids, min(new_tokens, 4))
+            timed_pass(ctx, ids, min(new_tokens, 4))
         prefill, steps, t_start = [], [], time.perf_counter()
         while len(prefill) < repeats or time.perf_counter() - t_start < min_time_s:
-            p, s = _llamacpp_pass(ctx, ids, new_tokens)
+            p, s = timed_pass(ctx, ids, new_tokens)
             prefill.append(p)
             steps += s
         decode_p50 = statistics.median(steps)
         return {"prefill_ms_p50": statistics.median(prefill), "prefill_ms_p90": float(np.percentile(prefill, 90)),
                 "decode_ms_per_token_p50": decode_p50, "decode_ms_per_token_p90": float(np.percentile(steps, 90)),
                 "decode_tokens_per_s": 1e3 * b / decode_p50, "cpu_threads": self.threads}
-
-
-def _llamacpp_pass(ctx, ids: np.ndarray, new_tokens: int) -> tuple[float, list[float]]:
-    """One prefill of ids (B, N) as B sequences (logits at each last token) + new_tokens greedy steps, from an empty
-    KV cache: ms of the prefill and of each step, argmax included (as eval.latency's pass)."""
-    b, n = ids.shape
-    ctx.clear()
-    t0 = time.perf_counter()
-    nxt = ctx.decode(ids.reshape(-1), np.tile(np.arange(n), b), np.repeat(np.arange(b), n),
-                     np.tile(np.arange(n) == n - 1, b)).argmax(-1)  # (B,)
-    prefill_ms = (time.perf_counter() - t0) * 1e3
-    steps, seqs, every = [], np.arange(b), np.ones(b, bool)
-    for s in range(new_tokens):
-        t0 = time.perf_counter()
-        nxt = ctx.decode(nxt, np.full(b, n + s), seqs, every).argmax(-1)
-        steps.append((time.perf_counter() - t0) * 1e3)
-    return prefill_ms, steps
 
 
 def _latency(model, prompt: torch.Tensor, new_tokens: int, warmup: int, min_time_s: float = 0.0) -> dict:
