@@ -76,6 +76,18 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_kept(request):
+    """torch's thread count is process-wide: a test that changes it and leaves it so slows every test after it (seen:
+    one leak to 1 thread made the whole suite 1.7x slower). Restored here, and the test that leaked fails."""
+    threads = torch.get_num_threads()
+    yield
+    now = torch.get_num_threads()
+    if now != threads:
+        torch.set_num_threads(threads)
+        pytest.fail(f"{request.node.nodeid} left torch.get_num_threads() at {now} (it was {threads}): restore it")
+
+
 @contextmanager
 def registries_restored():
     """What a test registers (methods, formats, observers, run extras, plugins it loads) is gone after it, and so are

@@ -91,11 +91,15 @@ def test_llamacpp_config_runs_side_by_side_with_torch(tiny_model, tmp_path):
     model, _ = tiny_model
     source = _tiny_source_gguf(tmp_path / "source.gguf", model.config)
     probe = torch.randint(0, V, (1, 16), generator=torch.Generator().manual_seed(1))
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    cfgs = [BenchConfig("fp32"), BenchConfig("llamacpp-f32", backend="llama.cpp"),
-            BenchConfig("llamacpp-q8_0", {"method": "gguf", "type": "Q8_0"}, backend="llama.cpp")]
-    models = {c.name: prepare(c, model, probe, tmp_path / c.name, source_gguf=source) for c in cfgs}
-    rows = interleaved_latency(models, [(1, 8, 3), (2, 8, 3)], rounds=1, progress=False)
+    try:
+        cfgs = [BenchConfig("fp32"), BenchConfig("llamacpp-f32", backend="llama.cpp"),
+                BenchConfig("llamacpp-q8_0", {"method": "gguf", "type": "Q8_0"}, backend="llama.cpp")]
+        models = {c.name: prepare(c, model, probe, tmp_path / c.name, source_gguf=source) for c in cfgs}
+        rows = interleaved_latency(models, [(1, 8, 3), (2, 8, 3)], rounds=1, progress=False)
+    finally:
+        torch.set_num_threads(threads)
     df = add_floor(speed_table(rows, "fp32"), 20.0, model.config).set_index(["config", "batch_size"])
     assert len(df) == 6 and (df["decode_ms_per_token_p50"] > 0).all() and (df["prefill_ms_p50"] > 0).all()
     f32, q8 = df.loc[("llamacpp-f32", 1)], df.loc[("llamacpp-q8_0", 2)]
