@@ -60,6 +60,24 @@ def test_learned_rotations_are_orthogonal_lower_the_loss_and_fold_exactly(tiny_m
     assert facts["rotation"] == "rot spinquant R1+R2+R4+o_proj online (20 steps)"
 
 
+def test_windows_per_step_averages_the_windows_gradients(tiny_model_dir):
+    """Two copies of one window per step give bitwise the rotations of that window alone (the mean of equal
+    gradients, halved and summed exactly); two different windows per step give other rotations than either alone."""
+    model = _outlier_model(tiny_model_dir)
+    a, b = _windows(2)
+    learn = lambda ws, k: learn_rotations(model, ws, RotationConfig(kind="spinquant", steps=3, windows_per_step=k),  # noqa: E731
+                                          act_bits=4, act_symmetric=False, progress=False)
+    single, doubled = learn([a], 1), learn([a, a], 2)
+    assert torch.equal(single.r1, doubled.r1) and all(torch.equal(x, y) for x, y in zip(single.r2, doubled.r2))
+    pair = learn([a, b], 2)
+    assert not torch.equal(pair.r1, single.r1) and not torch.equal(pair.r1, learn([b], 1).r1)
+    cfg = RotationConfig(kind="spinquant", steps=3, windows_per_step=2)
+    assert cfg.to_dict()["windows_per_step"] == 2 and "windows_per_step" not in RotationConfig(kind="spinquant").to_dict()
+    assert cfg.describe() == "rot spinquant R1+R2+R4+o_proj online (3 steps x 2 windows)"
+    with pytest.raises(ValueError, match="windows_per_step"):
+        RotationConfig(kind="spinquant", windows_per_step=0)
+
+
 def test_the_learned_rotation_is_what_the_hooks_trained(tiny_model_dir):
     """The folded model with activations quantized gives the loss learn_rotations measured with its hooks."""
     model = _outlier_model(tiny_model_dir)

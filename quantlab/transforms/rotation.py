@@ -55,7 +55,9 @@ class RotationConfig:
     """kind: "hadamard" (randomized Hadamard, QuaRot) or "random" (Haar orthogonal); seed: the random signs or
     matrix; r2: per-head rotation of v_proj / o_proj; r4: online Hadamard on down_proj's input; o_proj_hadamard:
     online Hadamard on o_proj's input, across heads (QuaRot; false: quantlab's first, within-head-only variant);
-    steps, lr: kind "spinquant"'s Cayley SGD (the reference's 100 steps at lr 1.5)."""
+    steps, lr, windows_per_step: kind "spinquant"'s Cayley SGD: the reference's 100 steps at lr 1.5, each on 8
+    windows of 2048 tokens (1 per GPU on 8 GPUs); here each step averages the gradient of windows_per_step
+    calibration windows."""
 
     kind: str = "hadamard"
     seed: int = 0
@@ -65,6 +67,7 @@ class RotationConfig:
     o_proj_hadamard: bool = True
     steps: int = 100
     lr: float = 1.5
+    windows_per_step: int = 1
 
     def __post_init__(self):
         check_choice("rotation kind", self.kind, KINDS)
@@ -74,6 +77,7 @@ class RotationConfig:
                              f"is not supported with it (use kind = \"hadamard\")")
         check_int("rotation seed", self.seed, 0)
         check_int("rotation steps", self.steps, 1)
+        check_int("rotation windows_per_step", self.windows_per_step, 1)
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not self.lr > 0:
             raise ValueError(f"rotation lr must be a number > 0 (SpinQuant's is 1.5), got {self.lr!r}")
         if self.kind == "spinquant" and (self.scope != "residual" or not self.r2):
@@ -87,7 +91,8 @@ class RotationConfig:
             return "rot online hadamard (every linear input)"
         parts = ["R1"] + (["R2"] if self.r2 else []) + (["R4"] if self.r4 else []) + (
             ["o_proj online"] if self.o_proj_hadamard else [])
-        learned = f" ({self.steps} steps)" if self.kind == "spinquant" else ""
+        per_step = f" x {self.windows_per_step} windows" if self.windows_per_step != 1 else ""
+        learned = f" ({self.steps} steps{per_step})" if self.kind == "spinquant" else ""
         return f"rot {self.kind} {'+'.join(parts)}{learned}"
 
     @property
@@ -101,7 +106,11 @@ class RotationConfig:
         # always written for residual rotations: rows stored before it existed lack it and ran without it
         # (extras/rotation.py parse_stored), so both variants now get new run keys
         out |= {"o_proj_hadamard": self.o_proj_hadamard} if self.scope == "residual" else {}
-        return out | ({"steps": self.steps, "lr": self.lr} if self.kind == "spinquant" else {})
+        if self.kind != "spinquant":
+            return out
+        # windows_per_step only where it is not 1: the run keys of rows stored before it existed stay
+        return out | {"steps": self.steps, "lr": self.lr} | (
+            {"windows_per_step": self.windows_per_step} if self.windows_per_step != 1 else {})
 
 
 class OnlineHadamard:

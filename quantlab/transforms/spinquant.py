@@ -5,7 +5,9 @@ loss of the model with its activations quantized, then folded into the weights e
 
 As the reference (facebookresearch/SpinQuant optimize_rotation.py, train_utils/optimizer.py SGDG): R1 and R2 start
 from random Hadamards, the loss is next-token cross-entropy on calibration windows, the step is SGDG's Cayley
-update (momentum 0; lr 1.5 cosine-decayed over the steps, capped each step at 1 / ||W||_1), 100 steps of one window.
+update (momentum 0; lr 1.5 cosine-decayed over the steps, capped each step at 1 / ||W||_1), 100 steps. The
+reference's step sees 8 windows of 2048 tokens (one per GPU on 8 GPUs); here a step averages the gradients of
+`windows_per_step` calibration windows (default 1), taken in order and wrapping around.
 The rotation is learned against activations quantized per token (the run's act_bits) with weights in float, which is
 what the reference does before GPTQ (its README: "we optimize the rotation matrices with respect to a network where
 only activations are quantized"); R4 (down_proj) and the o_proj Hadamard stay fixed Hadamards, as the reference's R3 /
@@ -125,8 +127,9 @@ class _Hooks:
 
 def learn_rotations(model: nn.Module, windows: list[torch.Tensor], config, act_bits: int, act_symmetric: bool,
                     progress: bool = True) -> LearnedRotations:
-    """R1 and the R2s of `model` (float, unchanged on return) by config.steps Cayley SGD steps, one calibration
-    window (1, T) per step in order, the activations fake-quantized per token at act_bits (straight-through)."""
+    """R1 and the R2s of `model` (float, unchanged on return) by config.steps Cayley SGD steps, each on the mean
+    cross-entropy of config.windows_per_step calibration windows (1, T) in order (wrapping around), the
+    activations fake-quantized per token at act_bits (straight-through)."""
     facts = rotation_facts(model)
     cfg = model.config
     heads = cfg.num_attention_heads
@@ -148,10 +151,14 @@ def learn_rotations(model: nn.Module, windows: list[torch.Tensor], config, act_b
     model.eval()
     try:
         before = _mean_loss(model, windows[:LOSS_WINDOWS], device)
+        k = config.windows_per_step
         for step in tqdm(range(config.steps), desc="spinquant", leave=False, disable=not progress):
-            with torch.enable_grad():
-                loss = _loss(model, windows[step % len(windows)].to(device))
-                grads = torch.autograd.grad(loss, [r1, *r2])
+            grads = None
+            for j in range(k):  # one backward per window: the memory of one window, the gradient of their mean
+                with torch.enable_grad():
+                    loss = _loss(model, windows[(step * k + j) % len(windows)].to(device)) / k
+                    g = torch.autograd.grad(loss, [r1, *r2])
+                grads = g if grads is None else [a + b for a, b in zip(grads, g)]
             lr = config.lr * 0.5 * (1 + math.cos(math.pi * step / config.steps))  # cosine, no warm-up (HF Trainer)
             with torch.no_grad():
                 for i, (p, g) in enumerate(zip([r1, *r2], grads)):
