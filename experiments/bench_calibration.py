@@ -9,12 +9,20 @@ Same seeded calibration windows (validation split, 8 x 512 tokens by default) fo
   implementation (a full block forward per stage), with a check that both give the same codes bit for bit;
 - GPTQ w4 g64, true_sequential = false; AWQ w4 g64 (llm-awq reference); SmoothQuant W8A8 (alpha 0.5 and
   searched); a sensitivity sweep of 4 layers (rtn w3 g64).
-Writes reports/bench_calibration.csv with the CPU it ran on.
+Then each method's pace against the machine (--blocks, default 2: the first decoder blocks of SmolLM2, 16 x 512
+calibration tokens as the PTQ reports): seconds per block, matmul FLOPs per block (torch's FlopCounterMode on a
+separate pass; AutoRound's by its iteration count: counted at 1 and 2 iterations, which differ by one iteration's
+FLOPs), the achieved GFLOP/s and its fraction of this machine's F.linear rate on the replays' shapes, measured in the
+same run (quantlab.eval.compute). GPTQ (w4 g64, true_sequential false), AWQ reference and version 1, AutoRound w4 g64
+at 50 iterations (the committed rows) and at the reference's 200.
+Writes reports/bench_calibration.csv (seconds) and reports/bench_calibration_rate.csv (the pace), with the CPU and
+the load average.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,6 +37,7 @@ from experiments.smollm2_speed import cpu_facts
 from quantlab.calibration import blocks
 from quantlab.core.lifecycle import quant_linears, quantize
 from quantlab.core.registry import make_config
+from quantlab.eval.compute import count_matmul_flops, measure_matmul_rate
 from quantlab.mixed.sensitivity import sweep
 from quantlab.models.data import calibration_windows, load_token_ids
 from quantlab.models.loading import load_model
@@ -48,11 +57,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench_calibration.csv"))
+    ap.add_argument("--blocks", type=int, default=2, help="decoder blocks the pace is measured on")
+    ap.add_argument("--rate-only", action="store_true", help="only the pace (bench_calibration_rate.csv)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2-135m", "float32", "cpu")
     ids, _ = load_token_ids("wikitext2", "validation", tok)
     windows = calibration_windows(ids, args.windows, 512, 0)
     calib = [w.unsqueeze(0) for w in windows]
+    if args.rate_only:
+        return pace(model, tok, args.blocks, Path(args.out).with_name("bench_calibration_rate.csv"))
     rows = []
 
     def add(name, seconds, note=""):
@@ -89,6 +105,62 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(args.out, index=False)
     print(f"-> {args.out} [{env['cpu_model']}, avx512: {env['cpu_avx512'] != 'none'}]")
+    return pace(model, tok, args.blocks, Path(args.out).with_name("bench_calibration_rate.csv"))
+
+
+PACE = {  # name -> (config, FLOPs linear in iters: counted at 1 and 2 iterations)
+    "gptq-w4-g64": ({"method": "gptq", **W4, "true_sequential": False}, False),
+    "awq-w4-g64 (reference)": ({"method": "awq", "base": {"method": "rtn", **W4}}, False),
+    "awq-v1-w4-g64": ({"method": "awq", "base": {"method": "rtn", **W4}, "scale_loss": "linear", "clip": "minmax",
+                       "clip_qk": True, "block_inputs": "quantized"}, False),
+    "autoround-w4-g64 iters=50": ({"method": "autoround", **W4, "iters": 50}, True),
+    "autoround-w4-g64 iters=200 (reference)": ({"method": "autoround", **W4, "iters": 200}, True),
+}
+
+
+def _first_blocks(model, n: int):
+    """A copy of `model` with only its first n decoder blocks (calibration cost is per block)."""
+    short = copy.deepcopy(model)
+    short.model.layers = short.model.layers[:n]
+    short.config.num_hidden_layers = n
+    if getattr(short.config, "layer_types", None):
+        short.config.layer_types = short.config.layer_types[:n]
+    return short
+
+
+def _count(model, spec: dict, calib) -> int:
+    return count_matmul_flops(lambda: quantize(copy.deepcopy(model), make_config(spec), calibration=calib,
+                                               progress=False))[0]
+
+
+def pace(model, tok, n_blocks: int, out: Path) -> int:
+    """Seconds and matmul FLOPs per block of each PACE method on the first n_blocks blocks, against this machine's
+    F.linear rate measured in the same run."""
+    ids, _ = load_token_ids("wikitext2", "validation", tok)
+    calib = [w.unsqueeze(0) for w in calibration_windows(ids, 16, 512, 0)]
+    load_start = os.getloadavg()[0]
+    rate = measure_matmul_rate()
+    print(f"F.linear rate: {rate['matmul_gflops']:.1f} GFLOP/s at {rate['matmul_shape']} ({rate['matmul_gflops_by_shape']})")
+    short, one = _first_blocks(model, n_blocks), _first_blocks(model, 1)
+    rows = []
+    for name, (spec, per_iter) in PACE.items():
+        seconds = _timed(short, spec, calib)[0] / n_blocks
+        if per_iter:  # F(iters) = F0 + iters x Fi, counted at 1 and 2 iterations
+            f1, f2 = (_count(one, {**spec, "iters": i}, calib) for i in (1, 2))
+            flops = f1 + (spec["iters"] - 1) * (f2 - f1)
+        else:
+            flops = _count(one, spec, calib)
+        achieved = flops / seconds / 1e9
+        rows.append({"method": name, "s_per_block": seconds, "gflop_per_block": flops / 1e9,
+                     "achieved_gflops": achieved, "fraction_of_matmul_rate": achieved / rate["matmul_gflops"],
+                     "full_model_s_estimate": seconds * model.config.num_hidden_layers})
+        print(f"{name:42s} {seconds:7.1f} s/block {flops / 1e9:8.1f} GFLOP/block {achieved:6.1f} GFLOP/s "
+              f"= {achieved / rate['matmul_gflops']:.0%} of the F.linear rate", flush=True)
+    env = environment(torch.device("cpu")) | cpu_facts() | rate | {
+        "calib_windows": 16, "calib_seq_len": 512, "blocks_measured": n_blocks, "threads": torch.get_num_threads(),
+        "load_avg_start": load_start, "load_avg_end": os.getloadavg()[0]}
+    pd.DataFrame([{**r, **env} for r in rows]).to_csv(out, index=False)
+    print(f"-> {out} [{env['cpu_model']}, load {load_start:.2f} -> {env['load_avg_end']:.2f}]")
     return 0
 
 

@@ -59,8 +59,10 @@ def minilm(wikitext_dir):
 
 
 @pytest.mark.needs_model("minilm-l6")
-@pytest.mark.parametrize("bits", [4, 3])
-def test_minilm_gptq_and_awq_beat_rtn_embedding_cosine(minilm, bits):
+def test_minilm_gptq_and_awq_beat_rtn_embedding_cosine(minilm):
+    """At w3 g64, where RTN loses the most; w4 g64 is SmolLM2's test above and reports/minilm_ptq.md's rows (28 s
+    each in the suite: the w4 case was dropped to keep the suite within its budget)."""
+    bits = 3
     model, tok, sentences, ref, calib = minilm
     cos = {}
     base = {**_rtn(bits, 64), "exclude": ["pooler.dense"]}

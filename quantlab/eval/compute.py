@@ -1,0 +1,54 @@
+"""The compute side of a method's cost: the matmul FLOPs it runs and the rate this machine multiplies at.
+
+    rate = measure_matmul_rate()                  # {"matmul_gflops": 121.3, "matmul_shape": "8192x576x1536", ...}
+    flops = count_matmul_flops(lambda: quantize(model, cfg, calibration=calib, progress=False))
+    achieved = flops / seconds / 1e9              # GFLOP/s, then / rate["matmul_gflops"]: the fraction of the rate
+
+FLOPs are counted by torch.utils.flop_counter.FlopCounterMode: the matrix products torch runs (mm, addmm, bmm,
+baddbmm, scaled-dot-product attention, convolutions), forward and backward, 2 per multiply-add. Elementwise work,
+reductions, sorting and linear-algebra solves (Cholesky, triangular solves) are not counted, so a method whose time
+goes there shows a low rate: the rate says how much of its time runs at matmul speed, not that the rest is waste.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+# activation x weight shapes (tokens, in, out) of the calibration replays on a 576-wide model (SmolLM2's q/o and
+# gate/up/down projections on 16 x 512 tokens): the rate a method's matmuls can reach at best on this machine
+CALIBRATION_SHAPES = ((8192, 576, 1536), (8192, 1536, 576), (8192, 576, 576))
+
+
+def measure_matmul_rate(shapes: tuple[tuple[int, int, int], ...] = CALIBRATION_SHAPES, repeats: int = 5,
+                        device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
+    """The best rate (GFLOP/s) of F.linear over `shapes`, each the median of `repeats` timed calls after a warm-up,
+    at torch's current thread count: {"matmul_gflops", "matmul_shape", "matmul_gflops_by_shape"}."""
+    gen = torch.Generator().manual_seed(0)
+    by_shape = {}
+    for t, k, n in shapes:
+        x = torch.randn(t, k, generator=gen).to(device, dtype)
+        w = torch.randn(n, k, generator=gen).to(device, dtype)
+        torch.nn.functional.linear(x, w)  # warm-up: kernel choice, first touch
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        by_shape[f"{t}x{k}x{n}"] = 2 * t * k * n / statistics.median(times) / 1e9
+    best = max(by_shape, key=by_shape.get)
+    return {"matmul_gflops": by_shape[best], "matmul_shape": best,
+            "matmul_gflops_by_shape": " ".join(f"{s}:{v:.1f}" for s, v in by_shape.items())}
+
+
+def count_matmul_flops(fn) -> tuple[int, object]:
+    """(matmul FLOPs that fn() ran, fn's return value). Runs fn once under FlopCounterMode, which slows torch ops:
+    time fn in a separate call."""
+    counter = FlopCounterMode(display=False)
+    with counter:
+        out = fn()
+    return int(counter.get_total_flops()), out
