@@ -65,7 +65,7 @@ def test_windows_per_step_averages_the_windows_gradients(tiny_model_dir):
     gradients, halved and summed exactly); two different windows per step give other rotations than either alone."""
     model = _outlier_model(tiny_model_dir)
     a, b = _windows(2)
-    learn = lambda ws, k: learn_rotations(model, ws, RotationConfig(kind="spinquant", steps=3, windows_per_step=k),  # noqa: E731
+    learn = lambda ws, k: learn_rotations(model, ws, RotationConfig(kind="spinquant", steps=3, windows_per_step=k),
                                           act_bits=4, act_symmetric=False, progress=False)
     single, doubled = learn([a], 1), learn([a, a], 2)
     assert torch.equal(single.r1, doubled.r1) and all(torch.equal(x, y) for x, y in zip(single.r2, doubled.r2))
