@@ -1,6 +1,6 @@
 """SmolLM2-135M speed and memory on this CPU: fp32 to int4 in PyTorch/torchao, ONNX Runtime and llama.cpp.
 
-    python3 experiments/smollm2_speed.py --threads 1            # ~35-40 min on a 2-core CPU (estimate)
+    python3 experiments/smollm2_speed.py --threads 1            # 108 min on a 2-core AVX2 EPYC (16 configs)
     python3 experiments/smollm2_speed.py --smoke                # tiny shapes, 1 round: 25 min at load 4-5
     python3 experiments/smollm2_speed.py --reestimate           # seconds: new estimate columns for the stored rows
 
