@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .memory import unique_tensor_bytes
+
 MIB = 2**20
 
 
@@ -83,18 +85,10 @@ def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
 def _module_bytes(module: nn.Module, seen: set) -> int:
     """Bytes of a module's own weights: storage_bytes() (codes + scales + zeros, as quantized layers and torchao
     kernels report it) plus its bias, else its own tensors; a tensor already counted (tied) is skipped."""
-    from ..backends.modules import inner_tensors
-
     if hasattr(module, "storage_bytes"):
         bias = getattr(module, "bias", None)
         return module.storage_bytes() + (bias.nbytes if isinstance(bias, torch.Tensor) else 0)
-    total = 0
-    for t in (x for own in _own_tensors(module) for x in inner_tensors(own)):
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
-        if key not in seen:
-            seen.add(key)
-            total += t.numel() * t.element_size()
-    return total
+    return unique_tensor_bytes(_own_tensors(module), seen)
 
 
 def decode_weight_bytes(model: nn.Module) -> dict:

@@ -24,8 +24,10 @@ def _plain(tensors):
     return [x for t in tensors for x in inner_tensors(t)]
 
 
-def _unique_tensor_bytes(tensors) -> int:
-    seen, total = set(), 0
+def unique_tensor_bytes(tensors, seen: set | None = None) -> int:
+    """Bytes of the plain tensors behind `tensors`, each storage view once; `seen` (updated) carries the views
+    already counted across calls (tied weights)."""
+    seen, total = set() if seen is None else seen, 0
     for t in _plain(tensors):
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
         if key not in seen:
@@ -42,9 +44,9 @@ def weight_stats(model: nn.Module) -> dict:
     embedding_bytes: the input embedding (Gemma-3-270M: 262k x 640, 63% of its weights), quantized or not;
     weight_mib_no_embedding: everything else (a tied output head is the embedding, so it is left out too).
     """
-    total = _unique_tensor_bytes(list(model.parameters()) + list(model.buffers()))
+    total = unique_tensor_bytes(list(model.parameters()) + list(model.buffers()))
     embedding = _input_embedding(model)
-    embedding_bytes = (_unique_tensor_bytes(list(embedding.parameters()) + _persistent_buffers(embedding))
+    embedding_bytes = (unique_tensor_bytes(list(embedding.parameters()) + _persistent_buffers(embedding))
                        if embedding is not None else 0)  # buffers: a QuantEmbedding's codes and scales
     # QuantLinear, and layers exported to torchao kernels (they carry storage_bytes too)
     qlayers = [m for m in model.modules() if isinstance(m, QuantLinear) or hasattr(m, "storage_bytes")]
