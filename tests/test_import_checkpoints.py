@@ -425,3 +425,83 @@ def test_an_experiment_evaluates_an_imported_checkpoint_against_its_reference(ti
         _experiment(tmp_path / "ct", tiny_model_dir, [{"name": "rtn", "method": "rtn", "bits": 4}])
     with pytest.raises(ValueError, match=r"reference = .* applies to a model that is a quantized checkpoint"):
         _experiment(tiny_model_dir, tiny_model_dir, [{"name": "base", "method": "none"}])
+
+
+# ---- another tool's checkpoint as one run of an experiment on the float model (method "checkpoint") -------------
+
+
+def test_a_checkpoint_run_takes_the_files_state_whole_and_scores_beside_quantlabs_runs(tiny_model_dir, tmp_path):
+    """Reference: quantlab's own RTN run of the same grid. Its export, scored as a `checkpoint` run, gives the RTN
+    run's per-window NLL exactly (the same codes, the same float tensors); a norm edited in the file (as a
+    SmoothQuant fold edits it) reaches the run's model, whose logits equal the imported model's (torch.equal)."""
+    import hashlib
+
+    from quantlab.models.loading import load_model
+    from quantlab.runs import runner
+    from quantlab.runs.experiment import parse_experiment
+
+    rtn = {"method": "rtn", "bits": 4, "group_size": 32}
+    model, tok = load_model(str(tiny_model_dir), device="cpu", progress=False)
+    quantize(model, make_config(rtn), progress=False)
+    export_compressed_tensors(model, tmp_path / "same", tok)
+    with torch.no_grad():
+        model.model.layers[0].input_layernorm.weight.mul_(1.5)
+    export_compressed_tensors(model, tmp_path / "edited", tok)
+
+    float_model, _ = load_model(str(tiny_model_dir), device="cpu", progress=False)
+    edited = copy.deepcopy(float_model)
+    quantize(edited, make_config({"method": "checkpoint", "path": str(tmp_path / "edited")}), progress=False)
+    imported, _, _ = load_quantized_checkpoint(tmp_path / "edited")
+    assert torch.equal(edited.model.layers[0].input_layernorm.weight, model.model.layers[0].input_layernorm.weight)
+    assert torch.equal(logits(edited), logits(imported)) and torch.equal(logits(edited), logits(model))
+
+    exp = parse_experiment({"name": "referee", "model": str(tiny_model_dir), "device": "cpu",
+                            "eval": {"dataset": str(tiny_model_dir / "sample.txt"), "seq_len": 32, "max_windows": 3,
+                                     "kl_windows": 3, "latency": False},
+                            "run": [{"name": "fp32", "method": "none"}, {"name": "rtn", **rtn},
+                                    {"name": "theirs", "method": "checkpoint", "path": str(tmp_path / "same")},
+                                    {"name": "edited", "method": "checkpoint", "path": str(tmp_path / "edited")}]})
+    df = runner.run_experiment(exp, tmp_path / "reports", progress=False).set_index("run")
+    assert df.loc["theirs", "window_nll"] == df.loc["rtn", "window_nll"]  # the same numbers, window by window
+    assert df.loc["edited", "window_nll"] != df.loc["rtn", "window_nll"]
+    assert df.loc["theirs", "source_format"] == "compressed-tensors"
+    assert df.loc["theirs", "scheme"] == "imported compressed-tensors: w4 g32 sym"
+    assert df.loc["theirs", "bits"] == 4 and df.loc["theirs", "group_size"] == 32
+    assert df.loc["theirs", "bits_per_weight"] == df.loc["rtn", "bits_per_weight"]
+    (file,) = (tmp_path / "same").glob("*.safetensors")
+    assert df.loc["theirs", "source_sha256"] == f"{file.name}:{hashlib.sha256(file.read_bytes()).hexdigest()}"
+    assert 0 < df.loc["theirs", "kl_mean"] == df.loc["rtn", "kl_mean"]  # against the experiment's float model
+
+
+def test_a_checkpoint_run_of_another_architecture_fails_before_any_weights_load(tiny_model_dir, tmp_path):
+    from quantlab.runs import runner
+    from quantlab.runs.experiment import parse_experiment
+
+    other = tiny_llama()  # intermediate 128; the experiment's model has 96
+    quantize(other, make_config({"method": "rtn", "bits": 4, "group_size": 32}), progress=False)
+    export_compressed_tensors(other, tmp_path / "other")
+    for f in (tmp_path / "other").glob("*.safetensors"):
+        f.unlink()  # a weights read would fail differently: the check reads config.json only
+    exp = parse_experiment({"name": "mismatch", "model": str(tiny_model_dir), "device": "cpu",
+                            "eval": {"dataset": str(tiny_model_dir / "sample.txt"), "seq_len": 32, "max_windows": 2},
+                            "run": [{"name": "theirs", "method": "checkpoint", "path": str(tmp_path / "other")}]})
+    with pytest.raises(ValueError, match=r"run 'theirs' on model .*: checkpoint .*other' is not the experiment "
+                                         r"model's architecture: intermediate_size 128 \(the model's 96\)"):
+        runner.run_experiment(exp, tmp_path / "reports", progress=False)
+
+
+def test_a_bad_checkpoint_path_fails_naming_it_before_any_weights_load(tiny_model_dir, tmp_path):
+    from quantlab.runs import runner
+    from quantlab.runs.experiment import parse_experiment
+
+    with pytest.raises(ValueError, match=r"path must be the folder of a quantized checkpoint, got ''"):
+        make_config({"method": "checkpoint", "path": ""})
+    for path, match in ((tmp_path / "missing", r"path '.*missing' is not a folder"),
+                        (tiny_model_dir, r".* holds no quantization config quantlab imports \(.*compressed-tensors")):
+        exp = parse_experiment({"name": "bad", "model": str(tiny_model_dir), "device": "cpu",
+                                "eval": {"dataset": str(tiny_model_dir / "sample.txt"), "seq_len": 32},
+                                "run": [{"name": "theirs", "method": "checkpoint", "path": str(path)}]})
+        with pytest.raises(ValueError, match=r"run 'theirs' on model .*: checkpoint: " + match):
+            runner.run_experiment(exp, tmp_path / "reports", progress=False)
+        assert not (tmp_path / "reports" / "bad.results.jsonl").exists() or not (
+            tmp_path / "reports" / "bad.results.jsonl").read_text()

@@ -80,6 +80,10 @@ class Method:
         an export of quantized linears alone would drop them."""
         return False
 
+    def check_model_config(self, config: Any, model_config: Any) -> None:
+        """Refuse (ValueError) a model this config cannot apply to, from its Hugging Face config alone: runs before
+        any weights load (runs/preflight.py). An imported checkpoint must be the model's architecture."""
+
     def weight_spec_for(self, config: Any) -> WeightSpec | None:
         """The grid its weights end on: the config's own weight_spec, else its base's (None: weights stay float)."""
         spec = getattr(config, "weight_spec", None)

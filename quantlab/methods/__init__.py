@@ -2,4 +2,4 @@
 
 Adding a method: one file here, one import line below, one test file.
 """
-from . import any4, autoround, awq, dynamic, gguf, gptaq, gptq, hqq, lora, none, qat, rtn, smoothquant, static  # noqa: F401
+from . import any4, autoround, awq, checkpoint, dynamic, gguf, gptaq, gptq, hqq, lora, none, qat, rtn, smoothquant, static  # noqa: F401

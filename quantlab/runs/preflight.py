@@ -102,6 +102,7 @@ def _check_architecture(run, model_config) -> None:
     the table is where they find their producers), and what each of its extras asks of the model."""
     for c in nested_configs(run.config):
         method = get_method(c)
+        method.check_model_config(c, model_config)
         if method.folds_channel_scales(c):
             arch_for(model_config, method.name)
     for extra, config in run.extras:
