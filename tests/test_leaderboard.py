@@ -281,3 +281,37 @@ def test_a_committed_report_is_consistent(report):
         assert r["p_holm"] == by_pair.loc[(above, r["run"]), "p_holm"]
     text = leaderboard_markdown(table, pairs)
     assert f"Of the {len(pairs)} pairs, {int(pairs['resolved'].sum())} are resolved" in text
+
+
+# ---- {leaderboard} in a findings template ----
+
+def test_findings_leaderboard_placeholder_renders_the_leaderboard_of_the_rows(synthetic_rows):
+    """Reference: leaderboard_markdown of the same rows (main windows), and of the domain's columns renamed into the
+    main ones (@DOMAIN); a seed group's spread reaches it; an unknown domain and a bad form fail naming them."""
+    from quantlab.reporting import findings
+
+    rng = np.random.default_rng(1)
+    code = {r["run"]: rng.normal(1.5, 0.2, N_WINDOWS) + k * 0.1 for k, r in enumerate(synthetic_rows)}
+    rows = [{**r, "eval_dataset": "wikitext2", "eval_split": "test", "ppl_pystdlib": math.exp(code[r["run"]].mean()),
+             "window_nll_pystdlib": json.dumps((code[r["run"]] * TOK).tolist()),
+             "window_tokens_pystdlib": json.dumps([TOK] * N_WINDOWS)} for r in synthetic_rows]
+    frame = pd.DataFrame(rows)
+    template = "Ranked:\n\n{leaderboard}\n\nCode:\n\n{leaderboard@pystdlib}\n"
+    text = findings.findings_section(template, frame, frame, {})
+    main_ref = pd.DataFrame(synthetic_rows)
+    main_ref.attrs["source"] = "wikitext2 test windows"
+    assert leaderboard_markdown(*leaderboard(main_ref)).strip() in text
+    domain = pd.DataFrame([{"run": r["run"], "window_nll": r["window_nll_pystdlib"], "ppl": r["ppl_pystdlib"],
+                            "window_tokens": r["window_tokens_pystdlib"], "eval_windows": N_WINDOWS, "seq_len": 512}
+                           for r in rows])
+    domain.attrs["source"] = "pystdlib test windows"
+    code_md = leaderboard_markdown(*leaderboard(domain)).strip()
+    assert code_md in text and code_md.splitlines()[4].startswith("| 1 | `A` |")  # A has the lowest code NLL
+    assert findings.parse("{leaderboard}")[0].runs() == []
+    findings.check_domains(template, ["wikitext2", "pystdlib"])
+    with pytest.raises(findings.FindingsError, match=r"\{leaderboard@python\} names unknown domain 'python'"):
+        findings.check_domains("{leaderboard@python}", ["wikitext2", "pystdlib"])
+    with pytest.raises(findings.FindingsError, match=r"write \{leaderboard\} or \{leaderboard@DOMAIN\}"):
+        findings.parse("{leaderboard@}")
+    with pytest.raises(findings.FindingsError, match=r"\{leaderboard@wiki\}: the rows have no window_nll_wiki"):
+        findings.findings_section("{leaderboard@wiki}", frame, frame, {})

@@ -19,6 +19,10 @@ from the report's rows, so a rerun rewrites them. `{{` and `}}` are literal brac
     {A vs B:COLUMN:W1|W2|W3}   ... in your own words
     {A vs B:COLUMN:FORMAT}     the relative change of COLUMN in %, (A / B - 1) * 100, without any interval:
                                {w4a8 vs w4:ppl:+.1f}% -> +4.3%
+    {leaderboard}              every run of the report ranked, paired over the windows, Holm-adjusted, grouped by
+                               letters, with the calibration noise of seed groups (reporting/leaderboard.py, as
+                               `quantlab compare --all-pairs`): its table and findings paragraph, on its own line
+    {leaderboard@DOMAIN}       ... on one domain of `[eval] datasets` (its window_nll_DOMAIN, ppl_DOMAIN)
 
 RUN is a run name, a seed run ("gptq-w4-g64-seed1") or a seed group ("gptq-w4-g64": the mean over its
 seeds, with `<metric>_std` and `n_seeds`), or REPORT/RUN: a run of another report, read from the REPORT.csv
@@ -43,6 +47,7 @@ from ..util.checks import check_name
 from . import stats
 
 _TOKEN = re.compile(r"\{\{|\}\}|\{([^{}\n]*)\}|[{}]")
+LEADERBOARD = "leaderboard"
 VERDICT_WORDS = ("lower than", "higher than", "not distinguishable from")
 COMPARE_WORDS = ("lower than", "higher than", "level with")
 INTERVAL_COLUMNS = {"ppl_ci": ("ppl_ci_low", "ppl_ci_high", ".2f"),
@@ -62,7 +67,7 @@ class FindingsError(ValueError):
 class Placeholder:
     text: str  # as written, for messages
     run: str
-    kind: str = "value"  # value | delta | verdict | compare | relative
+    kind: str = "value"  # value | delta | verdict | compare | relative | leaderboard
     other: str | None = None  # B of "A vs B"
     column: str | None = None
     fmt: str | None = None
@@ -70,6 +75,8 @@ class Placeholder:
     domain: str | None = None  # "A vs B@DOMAIN": the paired interval on that domain's windows
 
     def runs(self) -> list[str]:
+        if self.kind == "leaderboard":  # every run of the report, none named
+            return []
         return [self.run] + ([self.other] if self.other else [])
 
 
@@ -94,6 +101,11 @@ def _words(arg: str, default: tuple, where: str) -> tuple[str, str, str]:
 
 def _placeholder(inner: str) -> Placeholder:
     where = f"findings placeholder {{{inner}}}"
+    head, at, domain = inner.partition("@")
+    if head.strip() == LEADERBOARD and " vs " not in inner:
+        if at and not domain.strip():
+            raise FindingsError(f"{where}: write {{leaderboard}} or {{leaderboard@DOMAIN}}")
+        return Placeholder(inner, "", LEADERBOARD, domain=domain.strip() or None)
     if " vs " in inner:
         a, rest = inner.split(" vs ", 1)
         b, _, spec = rest.partition(":")
@@ -317,8 +329,36 @@ def render_placeholder(p: Placeholder, rows: dict, formats: dict) -> str:
     return f"{format(d['delta'], f)}{unit} [{format(d['low'], f)}, {format(d['high'], f)}]"
 
 
-def render(template: str, rows: dict[str, dict], formats: dict[str, str] | None = None) -> str:
-    """Fill a template from {run name: report row}; `formats` holds each column's default format ("{:.3f}").
+def render_leaderboard(p: Placeholder, frame) -> str:
+    """{leaderboard} / {leaderboard@DOMAIN}: leaderboard_markdown of every run of `frame` (the report's rows, one per
+    run and seed), on the main windows or on the domain's (its window_nll_DOMAIN, window_tokens_DOMAIN, ppl_DOMAIN
+    taking the place of the main ones)."""
+    from .leaderboard import leaderboard, leaderboard_markdown
+
+    if frame is None:
+        raise FindingsError(f"findings placeholder {{{p.text}}}: the leaderboard needs the report's rows")
+    df = frame.copy()
+    label = f"{df['eval_dataset'].iloc[0]} {df['eval_split'].iloc[0]}" if {"eval_dataset", "eval_split"} <= set(df) \
+        else "this report's"
+    if p.domain is not None:
+        names = {f"window_nll_{p.domain}": "window_nll", f"window_tokens_{p.domain}": "window_tokens",
+                 f"ppl_{p.domain}": "ppl"}
+        missing = [c for c in names if c not in df]
+        if missing:
+            raise FindingsError(f"findings placeholder {{{p.text}}}: the rows have no {', '.join(missing)}")
+        df = df.drop(columns=[c for c in names.values() if c in df]).rename(columns=names)
+        label = f"{p.domain} {df['eval_split'].iloc[0]}" if "eval_split" in df else p.domain
+    df.attrs["source"] = f"{label} windows"
+    try:
+        table, pairs = leaderboard(df)
+    except ValueError as e:
+        raise FindingsError(f"findings placeholder {{{p.text}}}: {e}") from None
+    return leaderboard_markdown(table, pairs).strip()
+
+
+def render(template: str, rows: dict[str, dict], formats: dict[str, str] | None = None, frame=None) -> str:
+    """Fill a template from {run name: report row}; `formats` holds each column's default format ("{:.3f}");
+    `frame`: the report's rows (one per run and seed), which {leaderboard} ranks.
 
     Raises FindingsError naming the placeholder for an unknown run or column, or runs without shared windows.
     """
@@ -327,6 +367,9 @@ def render(template: str, rows: dict[str, dict], formats: dict[str, str] | None 
     for p in parse(template):
         if isinstance(p, str):
             out.append(p)
+            continue
+        if p.kind == LEADERBOARD:
+            out.append(render_leaderboard(p, frame))
             continue
         bad = [r for r in p.runs() if r not in rows]
         if bad:
@@ -368,7 +411,8 @@ def findings_section(template: str, df, summary, formats: dict[str, str],
                 "beside this report; write (or copy) it there and regenerate.")
     for report, report_rows_ in quoted.items():
         rows.update({f"{report}/{run}": row for run, row in (report_rows_ or {}).items()})
-    return HEADER + "\n\n" + "".join(_render_part(part, rows, formats) for part in template_parts(template)).strip()
+    return HEADER + "\n\n" + "".join(_render_part(part, rows, formats, df)
+                                     for part in template_parts(template)).strip()
 
 
 def template_parts(template: str) -> list[str]:
@@ -383,12 +427,12 @@ def template_parts(template: str) -> list[str]:
     return parts
 
 
-def _render_part(part: str, rows: dict, formats: dict) -> str:
+def _render_part(part: str, rows: dict, formats: dict, frame=None) -> str:
     """One paragraph or bullet, rendered; one that names runs without a row (failed, or not run yet) says so in
     their place, and the rest of the section is still generated."""
     absent = sorted({r for p in parse(part) if isinstance(p, Placeholder) for r in p.runs() if r not in rows})
     if not absent:
-        return render(part, rows, formats)
+        return render(part, rows, formats, frame)
     where = "this report" + (" or the report it quotes" if any(split_quoted(r)[0] for r in absent) else "")
     bullet = "- " if part.startswith("- ") else ""
     return (f"{bullet}**Not generated:** this {'item' if bullet else 'paragraph'} names run(s) {', '.join(absent)} "
