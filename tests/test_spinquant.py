@@ -28,6 +28,22 @@ def test_cayley_step_stays_orthogonal_and_descends():
     assert float((x @ a - target @ a).pow(2).sum()) < 1e-3 * f0  # measured: 5e-5 of the start after 50 steps
 
 
+def test_cayley_step_size_is_lr_until_the_one_norm_cap_binds():
+    """Reference: the cap 1 / ||W||_1 by hand (W = -(G^T X - X^T G) / 2 for an orthogonal X, its largest column
+    sum); a small gradient takes lr, a large one the cap, and the step taken equals cayley_step's."""
+    from quantlab.transforms.spinquant import cayley_step_size
+
+    x = random_hadamard(8, 0)
+    grad = torch.randn(8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    w = -0.5 * (grad.T @ x - x.T @ grad)
+    cap = 1 / float(w.abs().sum(0).max())
+    assert cayley_step_size(x, grad, 10.0) == pytest.approx(cap, rel=1e-6)
+    assert cayley_step_size(x, grad * 1e-6, 0.5) == 0.5
+    eye = torch.eye(8, dtype=torch.float64)  # the retraction at that step, by hand
+    y = torch.linalg.solve(eye - 0.5 * cap * w, (eye + 0.5 * cap * w) @ x.T).T
+    torch.testing.assert_close(cayley_step(x, grad, 10.0), y, rtol=0, atol=1e-9)
+
+
 def _outlier_model(tiny_model_dir):
     model, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
     with torch.no_grad():
@@ -52,6 +68,7 @@ def test_learned_rotations_are_orthogonal_lower_the_loss_and_fold_exactly(tiny_m
         torch.testing.assert_close(r @ r.T, torch.eye(r.shape[0], dtype=torch.float64), rtol=0, atol=1e-5)
     assert len(learned.r2) == 2 and not torch.equal(learned.r1, random_hadamard(64, 0))
     assert learned.loss_after < learned.loss_before  # measured 14.4867 -> 14.4858 on this random model
+    assert len(learned.r1_step_sizes) == 20 and all(0 < a <= 1.5 for a in learned.r1_step_sizes)
     rot = copy.deepcopy(model)
     facts = rotate_model(rot, cfg, learned)
     with torch.no_grad():

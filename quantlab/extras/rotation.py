@@ -71,7 +71,8 @@ class Rotation(RunExtra):
             bits, symmetric = _act_quant(method_config)
             learned = learn_rotations(model, calibration, config, bits, symmetric)
             row = {"spinquant_loss_before": learned.loss_before, "spinquant_loss_after": learned.loss_after,
-                   "spinquant_act_bits": bits}
+                   "spinquant_act_bits": bits,  # R1's mean Cayley step: lr unless the 1 / ||W||_1 cap binds
+                   "spinquant_r1_step_mean": sum(learned.r1_step_sizes) / max(len(learned.r1_step_sizes), 1)}
         facts = rotate_model(model, config, learned)  # weights: stays (the run's model is a copy)
         yield facts | row | {"rotate_s": time.perf_counter() - t0}
 

@@ -24,7 +24,7 @@ input per head @ R2ᵀ), which equals the folded model exactly in float and cost
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -43,6 +43,7 @@ class LearnedRotations:
     r2: list[torch.Tensor]
     loss_before: float  # mean cross-entropy over the first LOSS_WINDOWS windows, at the start (random Hadamards)
     loss_after: float  # the same, with the learned rotations
+    r1_step_sizes: list[float] = field(default_factory=list)  # R1's Cayley step each step: min(lr, 1 / ||W||_1)
 
 
 LOSS_WINDOWS = 8  # windows the before / after loss is measured on
@@ -51,6 +52,20 @@ LOSS_WINDOWS = 8  # windows the before / after loss is measured on
 def random_hadamard(n: int, seed: int) -> torch.Tensor:
     """The reference's start: diag(random +-1) H / sqrt(n) (float64)."""
     return random_signs(n, seed)[:, None] * hadamard_matrix(n).to(torch.float64) / n ** 0.5
+
+
+def _skew(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The reference's skew matrix W = M - M^T, M = V X - X^T X V X / 2, V = -grad^T."""
+    v = -grad.t()
+    mx = v @ x
+    w_hat = mx - 0.5 * (x.t() @ (x @ mx))
+    return w_hat - w_hat.t()
+
+
+@torch.no_grad()
+def cayley_step_size(x: torch.Tensor, grad: torch.Tensor, lr: float) -> float:
+    """The step cayley_step takes: min(lr, 1 / ||W||_1) (the reference's cap; ||.||_1 the largest column sum)."""
+    return min(1.0 / (float(_skew(x, grad).abs().sum(0).max()) + 1e-8), lr)
 
 
 @torch.no_grad()
@@ -62,10 +77,7 @@ def cayley_step(x: torch.Tensor, grad: torch.Tensor, lr: float) -> torch.Tensor:
 
     >>> x = cayley_step(torch.eye(4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64), 0.1)
     """
-    v = -grad.t()
-    mx = v @ x
-    w_hat = mx - 0.5 * (x.t() @ (x @ mx))
-    w = w_hat - w_hat.t()
+    w = _skew(x, grad)
     alpha = min(1.0 / (float(w.abs().sum(0).max()) + 1e-8), lr)
     eye = torch.eye(w.shape[0], dtype=w.dtype, device=w.device)
     y = torch.linalg.solve(eye - 0.5 * alpha * w, (eye + 0.5 * alpha * w) @ x.t())
@@ -151,7 +163,7 @@ def learn_rotations(model: nn.Module, windows: list[torch.Tensor], config, act_b
     model.eval()
     try:
         before = _mean_loss(model, windows[:LOSS_WINDOWS], device)
-        k = config.windows_per_step
+        k, steps = config.windows_per_step, []
         for step in tqdm(range(config.steps), desc="spinquant", leave=False, disable=not progress):
             grads = None
             for j in range(k):  # one backward per window: the memory of one window, the gradient of their mean
@@ -160,6 +172,7 @@ def learn_rotations(model: nn.Module, windows: list[torch.Tensor], config, act_b
                     g = torch.autograd.grad(loss, [r1, *r2])
                 grads = g if grads is None else [a + b for a, b in zip(grads, g)]
             lr = config.lr * 0.5 * (1 + math.cos(math.pi * step / config.steps))  # cosine, no warm-up (HF Trainer)
+            steps.append(cayley_step_size(masters[0], grads[0].double(), lr))
             with torch.no_grad():
                 for i, (p, g) in enumerate(zip([r1, *r2], grads)):
                     masters[i] = cayley_step(masters[i], g.double(), lr)
@@ -170,7 +183,7 @@ def learn_rotations(model: nn.Module, windows: list[torch.Tensor], config, act_b
         for p, flag in requires.items():
             p.requires_grad_(flag)
         model.train(was_training)
-    return LearnedRotations(masters[0].cpu(), [m.cpu() for m in masters[1:]], before, after)
+    return LearnedRotations(masters[0].cpu(), [m.cpu() for m in masters[1:]], before, after, steps)
 
 
 def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,80 @@
+"""Why does SpinQuant's loss rise on SmolLM2? Short Cayley-SGD trials at several lr, with the step each took.
+
+The SGDG step is min(lr, 1 / ||W||_1) · W (transforms/spinquant.py): where the gradient is large the cap binds and
+every lr above it takes the same step. This runs `--steps` steps of learn_rotations per lr (W4 per-token symmetric
+activations, as `smollm2_w4a4_2025`'s SpinQuant row; float weights, as the reference learns them), on the seed-0
+draw of 32 WikiText-2 validation windows of 512 tokens, and writes one row per lr: the loss before and after on the
+first 8 windows, R1's mean / min / max step, and the seconds.
+
+    python experiments/spinquant_lr.py --steps 10 --lr 1.5 1e-2 1e-3 1e-4 --threads 1
+      -> reports/spinquant_lr.csv (rows appended: an lr already in the file for these settings is skipped)
+
+About 1 minute per lr at 10 steps on one core of a 2-core AVX2 EPYC.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments.smollm2_speed, run from anywhere
+
+import quantlab
+from experiments.smollm2_speed import cpu_facts
+from quantlab.models.data import calibration_windows, load_token_ids
+from quantlab.runs.envinfo import git_sha
+from quantlab.transforms.rotation import RotationConfig
+from quantlab.transforms.spinquant import learn_rotations
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--lr", type=float, nargs="+", default=[1.5, 1e-2, 1e-3, 1e-4])
+    p.add_argument("--windows-per-step", type=int, default=1)
+    p.add_argument("--act-bits", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="reports/spinquant_lr.csv")
+    args = p.parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        model, tok = quantlab.load_model(args.model, device="cpu", progress=False)
+        val, source = load_token_ids("wikitext2", "validation", tok)
+        calib = [w[None] for w in calibration_windows(val, 32, 512, seed=0)]
+        out = Path(args.out)
+        old = pd.read_csv(out) if out.is_file() else pd.DataFrame()
+        for lr in args.lr:
+            same = {"model": args.model, "steps": args.steps, "windows_per_step": args.windows_per_step, "lr": lr,
+                        "act_bits": args.act_bits}
+            if len(old) and (old[list(same)] == pd.Series(same)).all(axis=1).any():
+                print(f"lr {lr}: in {out} already, skipped")
+                continue
+            load = os.getloadavg()[0]
+            t = time.perf_counter()
+            cfg = RotationConfig(kind="spinquant", steps=args.steps, lr=lr, windows_per_step=args.windows_per_step)
+            r = learn_rotations(model, calib, cfg, args.act_bits, True, progress=False)
+            row = {**same, "loss_before": r.loss_before, "loss_after": r.loss_after,
+                   "loss_change": r.loss_after - r.loss_before, "r1_step_mean": sum(r.r1_step_sizes) / args.steps,
+                   "r1_step_min": min(r.r1_step_sizes), "r1_step_max": max(r.r1_step_sizes),
+                   "cap_binds_steps": sum(a < lr * 0.999 for a in r.r1_step_sizes), "seconds": time.perf_counter() - t,
+                   "threads": args.threads, "load_start": load, "load_end": os.getloadavg()[0],
+                   "calib_source": source, "git_sha": git_sha(), **cpu_facts()}
+            print(f"lr {lr:g}: loss {r.loss_before:.4f} -> {r.loss_after:.4f}, R1 step mean {row['r1_step_mean']:.3g} "
+                  f"(cap bound on {row['cap_binds_steps']} of {args.steps} steps), {row['seconds']:.0f} s", flush=True)
+            old = pd.concat([old, pd.DataFrame([row])], ignore_index=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            old.to_csv(out, index=False)  # after each lr: a crash keeps the finished ones
+    finally:
+        torch.set_num_threads(threads)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
