@@ -6,14 +6,19 @@ activations, as `smollm2_w4a4_2025`'s SpinQuant row; float weights, as the refer
 draw of 32 WikiText-2 validation windows of 512 tokens, and writes one row per lr: the loss before and after on the
 first 8 windows, R1's mean / min / max step, and the seconds.
 
-    python experiments/spinquant_lr.py --steps 10 --lr 1.5 1e-2 1e-3 1e-4 --threads 1
+    python experiments/spinquant_lr.py --steps 10 --lr 1.5 1e-2 1e-3 1e-4 --threads 2
       -> reports/spinquant_lr.csv (rows appended: an lr already in the file for these settings is skipped)
+    python experiments/spinquant_lr.py --line-search 0 1e-4 3e-4 1e-3 3e-3 1e-2 --threads 2
+      -> reports/spinquant_linesearch.csv: the loss along the first step's direction (loss_along_first_step), on
+         the gradient's window and on the 8 next ones, at each step size: is the surface smooth enough to descend?
 
-About 1 minute per lr at 10 steps on one core of a 2-core AVX2 EPYC.
+About 2 minutes per lr at 10 steps on a 2-core AVX2 EPYC (2 threads).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 import time
@@ -29,7 +34,12 @@ from experiments.smollm2_speed import cpu_facts
 from quantlab.models.data import calibration_windows, load_token_ids
 from quantlab.runs.envinfo import git_sha
 from quantlab.transforms.rotation import RotationConfig
-from quantlab.transforms.spinquant import learn_rotations
+from quantlab.transforms.spinquant import learn_rotations, loss_along_first_step
+
+
+def schedule(lr: float, steps: int) -> list[float]:
+    """The lr of each step as learn_rotations decays it (cosine to 0, no warm-up)."""
+    return [lr * 0.5 * (1 + math.cos(math.pi * s / steps)) for s in range(steps)]
 
 
 def main(argv=None) -> int:
@@ -40,8 +50,12 @@ def main(argv=None) -> int:
     p.add_argument("--windows-per-step", type=int, default=1)
     p.add_argument("--act-bits", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="reports/spinquant_lr.csv")
+    p.add_argument("--line-search", type=float, nargs="+", metavar="T",
+                   help="instead of the lr trials: the loss along the first step at these step sizes")
+    p.add_argument("--out", default=None, help="default reports/spinquant_lr.csv (--line-search: "
+                                              "reports/spinquant_linesearch.csv)")
     args = p.parse_args(argv)
+    args.out = args.out or f"reports/spinquant_{'linesearch' if args.line_search else 'lr'}.csv"
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -49,6 +63,20 @@ def main(argv=None) -> int:
         val, source = load_token_ids("wikitext2", "validation", tok)
         calib = [w[None] for w in calibration_windows(val, 32, 512, seed=0)]
         out = Path(args.out)
+        if args.line_search:
+            load, t = os.getloadavg()[0], time.perf_counter()
+            cfg = RotationConfig(kind="spinquant", windows_per_step=args.windows_per_step)
+            rows = loss_along_first_step(model, calib, cfg, args.act_bits, True, args.line_search)
+            env = {"model": args.model, "act_bits": args.act_bits, "windows_per_step": args.windows_per_step,
+                   "threads": args.threads, "seconds": time.perf_counter() - t, "load_start": load,
+                   "load_end": os.getloadavg()[0], "calib_source": source, "git_sha": git_sha(), **cpu_facts()}
+            df = pd.DataFrame([r | env for r in rows])
+            out.parent.mkdir(parents=True, exist_ok=True)
+            df.to_csv(out, index=False)
+            for r in rows:
+                print(f"t {r['t']:g} (step {r['step']:.3g}): loss on the gradient's window {r['grad_loss']:.4f}, "
+                      f"on the next 8 {r['held_out_loss']:.4f}")
+            return 0
         old = pd.read_csv(out) if out.is_file() else pd.DataFrame()
         for lr in args.lr:
             same = {"model": args.model, "steps": args.steps, "windows_per_step": args.windows_per_step, "lr": lr,
@@ -63,7 +91,8 @@ def main(argv=None) -> int:
             row = {**same, "loss_before": r.loss_before, "loss_after": r.loss_after,
                    "loss_change": r.loss_after - r.loss_before, "r1_step_mean": sum(r.r1_step_sizes) / args.steps,
                    "r1_step_min": min(r.r1_step_sizes), "r1_step_max": max(r.r1_step_sizes),
-                   "cap_binds_steps": sum(a < lr * 0.999 for a in r.r1_step_sizes), "seconds": time.perf_counter() - t,
+                   "cap_binds_steps": sum(a < want * 0.999 for a, want in zip(r.r1_step_sizes, schedule(lr, args.steps))),
+                   "r1_steps": json.dumps([round(a, 6) for a in r.r1_step_sizes]), "seconds": time.perf_counter() - t,
                    "threads": args.threads, "load_start": load, "load_end": os.getloadavg()[0],
                    "calib_source": source, "git_sha": git_sha(), **cpu_facts()}
             print(f"lr {lr:g}: loss {r.loss_before:.4f} -> {r.loss_after:.4f}, R1 step mean {row['r1_step_mean']:.3g} "

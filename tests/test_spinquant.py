@@ -160,3 +160,21 @@ def test_spinquant_on_an_architecture_without_rotation_facts_names_the_supported
     bert = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
     with pytest.raises(ValueError, match="model_type 'bert' has no rotation facts .*supported: llama, mistral, qwen2"):
         learn_rotations(bert, _windows(1), RotationConfig(kind="spinquant", steps=1), 4, False, progress=False)
+
+
+def test_loss_along_the_first_step_starts_at_the_start_and_leaves_the_model(tiny_model_dir):
+    """Reference: t = 0 is the start's loss on the gradient's window (what learn_rotations measures on it first), a
+    small step along the first gradient lowers it on this smooth tiny model, and the float model is unchanged."""
+    from quantlab.transforms.spinquant import loss_along_first_step
+
+    model = _outlier_model(tiny_model_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    windows = _windows()
+    cfg = RotationConfig(kind="spinquant", steps=1)
+    rows = loss_along_first_step(model, windows, cfg, 4, False, [0.0, 1e-3], held_out=2)
+    assert [r["t"] for r in rows] == [0.0, 1e-3] and rows[0]["step"] == 0 and 0 < rows[1]["step"] <= 1e-3
+    first = learn_rotations(model, windows[:1], RotationConfig(kind="spinquant", steps=1, lr=1e-12), 4, False,
+                            progress=False)
+    assert rows[0]["grad_loss"] == pytest.approx(first.loss_before, rel=1e-6)  # one window: the same loss
+    assert rows[1]["grad_loss"] < rows[0]["grad_loss"]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

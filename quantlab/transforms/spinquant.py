@@ -23,6 +23,7 @@ input per head @ R2ᵀ), which equals the folded model exactly in float and cost
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -137,11 +138,11 @@ class _Hooks:
             norm.weight.data.copy_(weight)
 
 
-def learn_rotations(model: nn.Module, windows: list[torch.Tensor], config, act_bits: int, act_symmetric: bool,
-                    progress: bool = True) -> LearnedRotations:
-    """R1 and the R2s of `model` (float, unchanged on return) by config.steps Cayley SGD steps, each on the mean
-    cross-entropy of config.windows_per_step calibration windows (1, T) in order (wrapping around), the
-    activations fake-quantized per token at act_bits (straight-through)."""
+@contextlib.contextmanager
+def _rotated(model: nn.Module, config, act_bits: int, act_symmetric: bool):
+    """The model run with R1 / R2 (random Hadamards from config.seed, as float32 parameters) applied by hooks and its
+    activations fake-quantized per token, its own parameters frozen; yields (parameters [R1, *R2], their float64
+    masters). Everything is restored on exit (hooks removed, norms, requires_grad, training mode)."""
     facts = rotation_facts(model)
     cfg = model.config
     heads = cfg.num_attention_heads
@@ -162,28 +163,66 @@ def learn_rotations(model: nn.Module, windows: list[torch.Tensor], config, act_b
     was_training = model.training
     model.eval()
     try:
-        before = _mean_loss(model, windows[:LOSS_WINDOWS], device)
-        k, steps = config.windows_per_step, []
-        for step in tqdm(range(config.steps), desc="spinquant", leave=False, disable=not progress):
-            grads = None
-            for j in range(k):  # one backward per window: the memory of one window, the gradient of their mean
-                with torch.enable_grad():
-                    loss = _loss(model, windows[(step * k + j) % len(windows)].to(device)) / k
-                    g = torch.autograd.grad(loss, [r1, *r2])
-                grads = g if grads is None else [a + b for a, b in zip(grads, g)]
-            lr = config.lr * 0.5 * (1 + math.cos(math.pi * step / config.steps))  # cosine, no warm-up (HF Trainer)
-            steps.append(cayley_step_size(masters[0], grads[0].double(), lr))
-            with torch.no_grad():
-                for i, (p, g) in enumerate(zip([r1, *r2], grads)):
-                    masters[i] = cayley_step(masters[i], g.double(), lr)
-                    p.copy_(masters[i].to(p.dtype))
-        after = _mean_loss(model, windows[:LOSS_WINDOWS], device)
+        yield [r1, *r2], masters
     finally:
         hooks.remove()
         for p, flag in requires.items():
             p.requires_grad_(flag)
         model.train(was_training)
+
+
+def _gradients(model: nn.Module, params: list[nn.Parameter], windows: list[torch.Tensor], device) -> list:
+    """The gradient of the mean cross-entropy of `windows` for each parameter: one backward per window."""
+    grads = None
+    for w in windows:
+        with torch.enable_grad():
+            loss = _loss(model, w.to(device)) / len(windows)
+            g = torch.autograd.grad(loss, params)
+        grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+    return grads
+
+
+def learn_rotations(model: nn.Module, windows: list[torch.Tensor], config, act_bits: int, act_symmetric: bool,
+                    progress: bool = True) -> LearnedRotations:
+    """R1 and the R2s of `model` (float, unchanged on return) by config.steps Cayley SGD steps, each on the mean
+    cross-entropy of config.windows_per_step calibration windows (1, T) in order (wrapping around), the
+    activations fake-quantized per token at act_bits (straight-through)."""
+    device = next(model.parameters()).device
+    with _rotated(model, config, act_bits, act_symmetric) as (params, masters):
+        before = _mean_loss(model, windows[:LOSS_WINDOWS], device)
+        k, steps = config.windows_per_step, []
+        for step in tqdm(range(config.steps), desc="spinquant", leave=False, disable=not progress):
+            grads = _gradients(model, params, [windows[(step * k + j) % len(windows)] for j in range(k)], device)
+            lr = config.lr * 0.5 * (1 + math.cos(math.pi * step / config.steps))  # cosine, no warm-up (HF Trainer)
+            steps.append(cayley_step_size(masters[0], grads[0].double(), lr))
+            with torch.no_grad():
+                for i, (p, g) in enumerate(zip(params, grads)):
+                    masters[i] = cayley_step(masters[i], g.double(), lr)
+                    p.copy_(masters[i].to(p.dtype))
+        after = _mean_loss(model, windows[:LOSS_WINDOWS], device)
     return LearnedRotations(masters[0].cpu(), [m.cpu() for m in masters[1:]], before, after, steps)
+
+
+def loss_along_first_step(model: nn.Module, windows: list[torch.Tensor], config, act_bits: int, act_symmetric: bool,
+                          sizes, held_out: int = LOSS_WINDOWS) -> list[dict]:
+    """A diagnostic of the loss surface learn_rotations descends: from the start (random Hadamards), the first step's
+    gradient on config.windows_per_step windows, then for each step size t in `sizes` (0: the start) the Cayley step
+    of size min(t, cap) applied to every rotation and the loss measured on those windows (`grad_loss`) and on the next
+    `held_out` windows (`held_out_loss`). A smooth surface lowers grad_loss for small t; the model is unchanged."""
+    device = next(model.parameters()).device
+    k = config.windows_per_step
+    grad_windows, other = windows[:k], windows[k:k + held_out]
+    rows = []
+    with _rotated(model, config, act_bits, act_symmetric) as (params, masters):
+        grads = _gradients(model, params, grad_windows, device)
+        for t in sizes:
+            with torch.no_grad():
+                for p, m, g in zip(params, masters, grads):
+                    p.copy_((cayley_step(m, g.double(), t) if t > 0 else m).to(p.dtype))
+            rows.append({"t": float(t), "step": cayley_step_size(masters[0], grads[0].double(), t) if t > 0 else 0.0,
+                         "grad_loss": _mean_loss(model, grad_windows, device),
+                         "held_out_loss": _mean_loss(model, other, device)})
+    return rows
 
 
 def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
