@@ -11,6 +11,9 @@ first 8 windows, R1's mean / min / max step, and the seconds.
     python experiments/spinquant_lr.py --line-search 0 1e-4 3e-4 1e-3 3e-3 1e-2 --threads 2
       -> reports/spinquant_linesearch.csv: the loss along the first step's direction (loss_along_first_step), on
          the gradient's window and on the 8 next ones, at each step size: is the surface smooth enough to descend?
+    python experiments/spinquant_lr.py --perturb 1e-6 1e-4 1e-2 --draws 4 --seeds 0 5 --threads 2
+      -> reports/spinquant_perturb.csv: the loss on the first 8 windows with R1 times a random rotation of relative
+         size eps (loss_under_perturbation), from the random-Hadamard start of each seed: the loss's noise floor
 
 About 2 minutes per lr at 10 steps on a 2-core AVX2 EPYC (2 threads).
 """
@@ -34,7 +37,7 @@ from experiments.smollm2_speed import cpu_facts
 from quantlab.models.data import calibration_windows, load_token_ids
 from quantlab.runs.envinfo import git_sha
 from quantlab.transforms.rotation import RotationConfig
-from quantlab.transforms.spinquant import learn_rotations, loss_along_first_step
+from quantlab.transforms.spinquant import LOSS_WINDOWS, learn_rotations, loss_along_first_step, loss_under_perturbation
 
 
 def schedule(lr: float, steps: int) -> list[float]:
@@ -52,10 +55,15 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--line-search", type=float, nargs="+", metavar="T",
                    help="instead of the lr trials: the loss along the first step at these step sizes")
+    p.add_argument("--perturb", type=float, nargs="+", metavar="EPS",
+                   help="instead of the lr trials: the loss with R1 perturbed by random rotations of these sizes")
+    p.add_argument("--draws", type=int, default=4, help="--perturb: random rotations per size")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="--perturb: the Hadamard starts' seeds")
     p.add_argument("--out", default=None, help="default reports/spinquant_lr.csv (--line-search: "
-                                              "reports/spinquant_linesearch.csv)")
+                                              "reports/spinquant_linesearch.csv, --perturb: spinquant_perturb.csv)")
     args = p.parse_args(argv)
-    args.out = args.out or f"reports/spinquant_{'linesearch' if args.line_search else 'lr'}.csv"
+    mode = "linesearch" if args.line_search else "perturb" if args.perturb else "lr"
+    args.out = args.out or f"reports/spinquant_{mode}.csv"
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -63,6 +71,21 @@ def main(argv=None) -> int:
         val, source = load_token_ids("wikitext2", "validation", tok)
         calib = [w[None] for w in calibration_windows(val, 32, 512, seed=0)]
         out = Path(args.out)
+        if args.perturb:
+            load, t, rows = os.getloadavg()[0], time.perf_counter(), []
+            for seed in args.seeds:
+                cfg = RotationConfig(kind="spinquant", seed=seed)
+                got = loss_under_perturbation(model, calib[:LOSS_WINDOWS], cfg, args.act_bits, True, args.perturb,
+                                              args.draws, seed=seed)
+                rows += [r | {"seed": seed} for r in got]
+                for r in got:
+                    print(f"seed {seed} eps {r['eps']:g} draw {r['draw']}: loss {r['loss']:.4f}", flush=True)
+            env = {"model": args.model, "act_bits": args.act_bits, "threads": args.threads,
+                   "seconds": time.perf_counter() - t, "load_start": load, "load_end": os.getloadavg()[0],
+                   "calib_source": source, "git_sha": git_sha(), **cpu_facts()}
+            out.parent.mkdir(parents=True, exist_ok=True)
+            pd.DataFrame([r | env for r in rows]).to_csv(out, index=False)
+            return 0
         if args.line_search:
             load, t = os.getloadavg()[0], time.perf_counter()
             cfg = RotationConfig(kind="spinquant", windows_per_step=args.windows_per_step)

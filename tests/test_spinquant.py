@@ -178,3 +178,22 @@ def test_loss_along_the_first_step_starts_at_the_start_and_leaves_the_model(tiny
     assert rows[0]["grad_loss"] == pytest.approx(first.loss_before, rel=1e-6)  # one window: the same loss
     assert rows[1]["grad_loss"] < rows[0]["grad_loss"]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_loss_under_perturbation_starts_at_the_start_and_grows_with_eps(tiny_model_dir):
+    """Reference: eps 0 is the start's loss (learn_rotations' loss_before on the same windows); on this smooth tiny
+    model a change of 1e-6 moves the loss far less than one of 0.3; the model is unchanged."""
+    from quantlab.transforms.spinquant import loss_under_perturbation
+
+    model = _outlier_model(tiny_model_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    windows = _windows()
+    rows = loss_under_perturbation(model, windows, RotationConfig(kind="spinquant"), 4, False, [1e-6, 0.3], draws=2)
+    assert [(r["eps"], r["draw"]) for r in rows] == [(0.0, 0), (1e-6, 0), (1e-6, 1), (0.3, 0), (0.3, 1)]
+    start = learn_rotations(model, windows, RotationConfig(kind="spinquant", steps=1, lr=1e-12), 4, False,
+                            progress=False).loss_before
+    assert rows[0]["loss"] == pytest.approx(start, rel=1e-6)
+    tiny = max(abs(r["loss"] - rows[0]["loss"]) for r in rows if r["eps"] == 1e-6)
+    large = max(abs(r["loss"] - rows[0]["loss"]) for r in rows if r["eps"] == 0.3)
+    assert tiny < 0.01 * large
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

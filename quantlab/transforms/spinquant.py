@@ -225,6 +225,31 @@ def loss_along_first_step(model: nn.Module, windows: list[torch.Tensor], config,
     return rows
 
 
+def loss_under_perturbation(model: nn.Module, windows: list[torch.Tensor], config, act_bits: int,
+                            act_symmetric: bool, sizes, draws: int = 4, seed: int = 0) -> list[dict]:
+    """A diagnostic of the loss surface's noise: from the start (random Hadamards), R1 times a random rotation
+    exp(eps A), A skew with entries of about 1 / sqrt(n) (so eps is the relative size of the change), `draws` times
+    per eps in `sizes`, and the mean loss of `windows` each time (eps 0: the start, once). Where a change of 1e-6
+    moves the loss as much as one of 1e-2 does, the loss the optimiser sees has a noise floor at that level (the
+    activations' rounding flipping), and a short run's before / after difference is within it. Model unchanged."""
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    with _rotated(model, config, act_bits, act_symmetric) as (params, masters):
+        n = masters[0].shape[0]
+        rows.append({"eps": 0.0, "draw": 0, "loss": _mean_loss(model, windows, device)})
+        for eps in sizes:
+            for draw in range(draws):
+                a = torch.randn(n, n, generator=gen, dtype=torch.float64)
+                a = (a - a.t()) / (a - a.t()).norm() * n ** 0.5
+                with torch.no_grad():
+                    params[0].copy_((masters[0] @ torch.linalg.matrix_exp(eps * a.to(masters[0].device))).float())
+                rows.append({"eps": float(eps), "draw": draw, "loss": _mean_loss(model, windows, device)})
+        with torch.no_grad():
+            params[0].copy_(masters[0].float())
+    return rows
+
+
 def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of one window (1, T)."""
     logits = model(ids).logits[:, :-1].float()
