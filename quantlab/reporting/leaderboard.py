@@ -38,8 +38,7 @@ def load_rows(path) -> pd.DataFrame:
     if not path.is_file():
         raise FileNotFoundError(f"report {str(path)!r} does not exist")
     if path.name.endswith(".results.jsonl"):
-        from .regenerate import select_rows
-        from .results import read_rows
+        from .results import read_rows, select_rows
 
         sidecar = path.with_name(path.name.removesuffix(".results.jsonl") + ".experiment.json")
         meta = json.loads(sidecar.read_text(encoding="utf-8")) if sidecar.is_file() else None

@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from .report import write_report
+from .results import select_rows
 
 SUFFIX = ".results.jsonl"
 REQUIRED = ("run", "method", "run_key", "config", "weight_bytes")
@@ -45,23 +46,6 @@ def check_rows(rows: list[dict], name: str, where: str) -> None:
     if others:
         raise ValueError(f"{where}: rows of experiment(s) {', '.join(map(repr, others))}, not {name!r}: "
                          "a results file from another experiment (or renamed)")
-
-
-def select_rows(rows: list[dict], meta: dict | None, where: str) -> list[dict]:
-    """The rows a report shows: the sidecar's run keys in order, else the latest row per run name."""
-    if meta is None:
-        latest = {}
-        for row in rows:
-            latest.pop(row["run"], None)
-            latest[row["run"]] = row
-        order = list(dict.fromkeys(r["run"] for r in rows))
-        return [latest[name] for name in order]
-    by_key = {r["run_key"]: r for r in rows}  # a rerun of the same key appends: the last one wins
-    missing = [k for k in meta["run_keys"] if k not in by_key]
-    if missing:
-        raise ValueError(f"{where}: the sidecar lists run key(s) {', '.join(missing)} that the results file lacks: "
-                         "the sidecar belongs to another results file")
-    return [by_key[k] for k in meta["run_keys"]]
 
 
 def regenerate_report(results, out_dir=None, description: str | None = None,

@@ -185,3 +185,20 @@ def _take_over_if_stale(lock: Path) -> None:
     here = holder.get("host") == socket.gethostname()
     state = "no longer running" if here and not _pid_alive(holder["pid"]) else "no longer holding it"
     log.warning("taking over the stale lock %s left by %s (%s)", lock, who, state)
+
+
+def select_rows(rows: list[dict], meta: dict | None, where: str) -> list[dict]:
+    """The rows a report shows: the sidecar's run keys in order, else the latest row per run name."""
+    if meta is None:
+        latest = {}
+        for row in rows:
+            latest.pop(row["run"], None)
+            latest[row["run"]] = row
+        order = list(dict.fromkeys(r["run"] for r in rows))
+        return [latest[name] for name in order]
+    by_key = {r["run_key"]: r for r in rows}  # a rerun of the same key appends: the last one wins
+    missing = [k for k in meta["run_keys"] if k not in by_key]
+    if missing:
+        raise ValueError(f"{where}: the sidecar lists run key(s) {', '.join(missing)} that the results file lacks: "
+                         "the sidecar belongs to another results file")
+    return [by_key[k] for k in meta["run_keys"]]
