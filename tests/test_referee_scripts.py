@@ -148,3 +148,20 @@ def test_run_peers_names_are_the_peers_recipes():
     known = {f"llmcompressor-{r}" for r in _script("peer_llmcompressor").RECIPES}
     known |= {f"autoround-{r}" for r in _script("peer_autoround").RECIPES}
     assert runs and set(runs) <= known, set(runs) - known
+
+
+def test_the_referee_experiment_scores_checkpoints_run_peers_builds():
+    """Every `method = "checkpoint"` run of experiments/referee_smollm2.toml reads a folder run_peers.sh writes
+    (~/.cache/quantlab/referee/<run>), under the run's own name, and the peers' windows are the experiment's
+    calibration (32 x 512 of the WikiText-2 validation split, seed 0: experiments/smollm2_ptq.toml's)."""
+    from quantlab.runs.experiment import load_experiment
+
+    runs = set(re.search(r"^RUNS=\(([^)]*)\)", (REFEREE / "run_peers.sh").read_text(), re.MULTILINE).group(1).split())
+    exp = load_experiment(REPO / "experiments" / "referee_smollm2.toml")
+    scored = [r for r in exp.runs if r.to_dict()["method"] == "checkpoint"]
+    assert scored
+    for r in scored:
+        path = r.to_dict()["path"]
+        assert path == f"~/.cache/quantlab/referee/{r.name}" and r.name in runs, (r.name, path)
+    ptq = load_experiment(REPO / "experiments" / "smollm2_ptq.toml")
+    assert (exp.calibration, exp.seed) == (ptq.calibration, ptq.seed)
