@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..core.activations import DynamicActQuant
-from ..core.lifecycle import set_submodule
+from ..core.lifecycle import quant_linears, set_submodule
 from ..util.checks import resolve_dtype, utf8_error
 from .ckpt_layer import frozen_layer
 from .ct_import import INT8_TOKENS, check_ct_scheme, ct_layer_codes, ct_schemes, read_ct_config
@@ -246,3 +246,19 @@ def load_quantized_checkpoint(path: str | Path, dtype: str | torch.dtype = "floa
              "source_schemes": counts, "source_notes": notes,
              "source_float_linears": [n for n, m in model.named_modules() if type(m) is nn.Linear]}
     return model.to(device).eval(), tokenizer, facts
+
+
+def imported_row_fields(facts: dict, model: nn.Module) -> dict:
+    """A result row's fields for an imported checkpoint (load_quantized_checkpoint's facts, the model holding its
+    layers): source_format, source_tool, source_schemes and source_notes (JSON), the scheme as "imported <format>:
+    <schemes>", and bits / group_size / symmetric / format / act_bits where one scheme covers every quantized linear."""
+    specs = {(layer.spec, None if layer.act_quant is None else layer.act_quant.bits)
+             for layer in quant_linears(model).values()}
+    grid = {}
+    if len(specs) == 1:
+        (spec, act_bits), = specs
+        grid = {"bits": spec.bits, "group_size": spec.group_size, "symmetric": spec.symmetric, "format": spec.format,
+                "act_bits": act_bits}
+    return {"source_format": facts["source_format"], "source_tool": facts["source_tool"],
+            "source_schemes": json.dumps(facts["source_schemes"]), "source_notes": json.dumps(facts["source_notes"]),
+            "scheme": f"imported {facts['source_format']}: " + ", ".join(facts["source_schemes"]), **grid}

@@ -19,13 +19,12 @@ linear, its bits / group_size / symmetric / format / act_bits.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from torch import nn
 
-from ..backends.ckpt_import import METHODS, checkpoint_format, load_quantized_checkpoint
+from ..backends.ckpt_import import METHODS, checkpoint_format, imported_row_fields, load_quantized_checkpoint
 from ..core.lifecycle import freeze_all, quant_linears, set_submodule
 from ..core.registry import Method, register_method
 
@@ -116,14 +115,4 @@ class Checkpoint(Method):
         freeze_all(model)
         facts = model._quantlab_checkpoint_facts
         del model._quantlab_checkpoint_facts
-        specs = {(layer.spec, None if layer.act_quant is None else layer.act_quant.bits)
-                 for layer in quant_linears(model).values()}
-        grid = {}
-        if len(specs) == 1:
-            (spec, act_bits), = specs
-            grid = {"bits": spec.bits, "group_size": spec.group_size, "symmetric": spec.symmetric,
-                    "format": spec.format, "act_bits": act_bits}
-        return {"source_format": facts["source_format"], "source_tool": facts["source_tool"],
-                "source_schemes": json.dumps(facts["source_schemes"]), "source_notes": json.dumps(facts["source_notes"]),
-                "source_sha256": checkpoint_sha256(config.path),
-                "scheme": f"imported {facts['source_format']}: " + ", ".join(facts["source_schemes"]), **grid}
+        return {**imported_row_fields(facts, model), "source_sha256": checkpoint_sha256(config.path)}

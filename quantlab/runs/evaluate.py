@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from ..backends import export_for_run
-from ..backends.ckpt_import import checkpoint_format, load_quantized_checkpoint
+from ..backends.ckpt_import import checkpoint_format, imported_row_fields, load_quantized_checkpoint
 from ..calibration.streaming import shared_copy
 from ..core.extras import AFTER_EXPORT, BEFORE_QUANTIZE, extras_to_dict
 from ..core.grid import grid_fields
-from ..core.lifecycle import quant_linears, quantize
+from ..core.lifecycle import quantize
 from ..core.registry import get_method, method_versions, non_default_fields
 from ..eval import measure_latency, peak_memory_mib, perplexity, reset_peak_memory, weight_stats
 from ..eval.embedding import embedding_fidelity, layer_output_errors, mean_pooled_embeddings, sentences_from_text
@@ -96,20 +96,10 @@ def load_models(exp: Experiment, device, cache_dir, progress: bool) -> tuple:
 
 def source_fields(ctx: EvalContext) -> dict:
     """An imported checkpoint's row fields: where it came from, what ran, its grid where one scheme covers it."""
-    facts = ctx.source
-    if not facts:
+    if not ctx.source:
         return {}
-    specs = {(layer.spec, None if layer.act_quant is None else layer.act_quant.bits)
-             for layer in quant_linears(ctx.model).values()}
-    grid = {}
-    if len(specs) == 1:
-        (spec, act_bits), = specs
-        grid = {"bits": spec.bits, "group_size": spec.group_size, "symmetric": spec.symmetric, "format": spec.format,
-                "act_bits": act_bits}
-    return {"source_format": facts["source_format"], "source_tool": facts["source_tool"],
-            "source_schemes": json.dumps(facts["source_schemes"]), "source_notes": json.dumps(facts["source_notes"]),
-            "scheme": f"imported {facts['source_format']}: " + ", ".join(facts["source_schemes"]),
-            "backend": "simulated (PyTorch dequant on the fly)", "reference_model": ctx.exp.reference, **grid}
+    return {**imported_row_fields(ctx.source, ctx.model), "backend": "simulated (PyTorch dequant on the fly)",
+            "reference_model": ctx.exp.reference}
 
 
 class EvalContext:
