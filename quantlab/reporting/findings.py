@@ -75,7 +75,7 @@ class Placeholder:
     domain: str | None = None  # "A vs B@DOMAIN": the paired interval on that domain's windows
 
     def runs(self) -> list[str]:
-        if self.kind == "leaderboard":  # every run of the report, none named
+        if self.kind == LEADERBOARD:  # every run of the report, none named
             return []
         return [self.run] + ([self.other] if self.other else [])
 

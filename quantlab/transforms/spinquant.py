@@ -63,10 +63,15 @@ def _skew(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return w_hat - w_hat.t()
 
 
+def _capped(w: torch.Tensor, lr: float) -> float:
+    """min(lr, 1 / ||W||_1), ||.||_1 the largest column sum (the reference's step cap)."""
+    return min(1.0 / (float(w.abs().sum(0).max()) + 1e-8), lr)
+
+
 @torch.no_grad()
 def cayley_step_size(x: torch.Tensor, grad: torch.Tensor, lr: float) -> float:
-    """The step cayley_step takes: min(lr, 1 / ||W||_1) (the reference's cap; ||.||_1 the largest column sum)."""
-    return min(1.0 / (float(_skew(x, grad).abs().sum(0).max()) + 1e-8), lr)
+    """The step cayley_step takes: min(lr, 1 / ||W||_1)."""
+    return _capped(_skew(x, grad), lr)
 
 
 @torch.no_grad()
@@ -79,7 +84,7 @@ def cayley_step(x: torch.Tensor, grad: torch.Tensor, lr: float) -> torch.Tensor:
     >>> x = cayley_step(torch.eye(4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64), 0.1)
     """
     w = _skew(x, grad)
-    alpha = min(1.0 / (float(w.abs().sum(0).max()) + 1e-8), lr)
+    alpha = _capped(w, lr)
     eye = torch.eye(w.shape[0], dtype=w.dtype, device=w.device)
     y = torch.linalg.solve(eye - 0.5 * alpha * w, (eye + 0.5 * alpha * w) @ x.t())
     return y.t()
