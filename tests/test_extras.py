@@ -165,6 +165,9 @@ def test_every_committed_report_has_its_grid_columns(csv):
         assert (row["group_size"] == int(group.group(1))) if group else pd.isna(row["group_size"]), row["run"]
         act = re.search(r"\+ a(\d+) ", row["scheme"])
         assert (row["act_bits"] == int(act.group(1))) if act else True, row["run"]
+        if "source_format" in df and pd.notna(row["source_format"]):  # an imported checkpoint: the file's grid
+            assert row["bits"] == int(re.search(r": w(\d+)\b", row["scheme"]).group(1)), row["run"]
+            continue
         assert row["bits"] == grid_fields(make_config(_method_part(json.loads(row["config"]))), row["dtype"])["bits"]
     text = (REPO / "reports" / csv).read_text()
     header = text.splitlines()[0].split(",")
