@@ -330,30 +330,15 @@ def render_placeholder(p: Placeholder, rows: dict, formats: dict) -> str:
 
 
 def render_leaderboard(p: Placeholder, frame) -> str:
-    """{leaderboard} / {leaderboard@DOMAIN}: leaderboard_markdown of every run of `frame` (the report's rows, one per
-    run and seed), on the main windows or on the domain's (its window_nll_DOMAIN, window_tokens_DOMAIN, ppl_DOMAIN
-    taking the place of the main ones)."""
-    from .leaderboard import leaderboard, leaderboard_markdown
+    """{leaderboard} / {leaderboard@DOMAIN}: leaderboard.leaderboard_section of the report's rows."""
+    from .leaderboard import leaderboard_section
 
     if frame is None:
         raise FindingsError(f"findings placeholder {{{p.text}}}: the leaderboard needs the report's rows")
-    df = frame.copy()
-    label = f"{df['eval_dataset'].iloc[0]} {df['eval_split'].iloc[0]}" if {"eval_dataset", "eval_split"} <= set(df) \
-        else "this report's"
-    if p.domain is not None:
-        names = {f"window_nll_{p.domain}": "window_nll", f"window_tokens_{p.domain}": "window_tokens",
-                 f"ppl_{p.domain}": "ppl"}
-        missing = [c for c in names if c not in df]
-        if missing:
-            raise FindingsError(f"findings placeholder {{{p.text}}}: the rows have no {', '.join(missing)}")
-        df = df.drop(columns=[c for c in names.values() if c in df]).rename(columns=names)
-        label = f"{p.domain} {df['eval_split'].iloc[0]}" if "eval_split" in df else p.domain
-    df.attrs["source"] = f"{label} windows"
     try:
-        table, pairs = leaderboard(df)
+        return leaderboard_section(frame, p.domain)
     except ValueError as e:
         raise FindingsError(f"findings placeholder {{{p.text}}}: {e}") from None
-    return leaderboard_markdown(table, pairs).strip()
 
 
 def render(template: str, rows: dict[str, dict], formats: dict[str, str] | None = None, frame=None) -> str:

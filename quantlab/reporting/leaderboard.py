@@ -318,3 +318,21 @@ def _findings(table: pd.DataFrame, pairs: pd.DataFrame) -> str:
     if a["no_windows"]:
         text.append(f"Left out (no per-window data): {', '.join(a['no_windows'])}.")
     return " ".join(text)
+
+
+def leaderboard_section(frame: pd.DataFrame, domain: str | None = None) -> str:
+    """leaderboard_markdown of every run of a report's rows (one per run and seed), on the main windows or on one
+    domain's (its window_nll_DOMAIN, window_tokens_DOMAIN, ppl_DOMAIN taking the place of the main ones)."""
+    df = frame.copy()
+    label = f"{df['eval_dataset'].iloc[0]} {df['eval_split'].iloc[0]}" if {"eval_dataset", "eval_split"} <= set(df) \
+        else "this report's"
+    if domain is not None:
+        names = {f"window_nll_{domain}": "window_nll", f"window_tokens_{domain}": "window_tokens",
+                 f"ppl_{domain}": "ppl"}
+        missing = [c for c in names if c not in df]
+        if missing:
+            raise ValueError(f"the rows have no {', '.join(missing)}")
+        df = df.drop(columns=[c for c in names.values() if c in df]).rename(columns=names)
+        label = f"{domain} {df['eval_split'].iloc[0]}" if "eval_split" in df else domain
+    df.attrs["source"] = f"{label} windows"
+    return leaderboard_markdown(*leaderboard(df)).strip()
