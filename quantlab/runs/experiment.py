@@ -26,7 +26,7 @@ from typing import Any
 from ..core.extras import extras_to_dict, known_extras, parse_extras
 from ..core.registry import config_to_dict, get_method, make_config
 from ..models.data import domain_label
-from ..reporting.findings import check_domains, check_runs
+from ..reporting.template import check_domains, check_runs
 from ..util.checks import check_dtype, check_name, utf8_error
 from ..util.plugins import check_plugin_names, load_installed_plugins, load_plugins
 from .protocols import CalibrationProtocol, EvalProtocol, ExecutionConfig, check_keys  # noqa: F401 (re-exported)
