@@ -7,7 +7,7 @@ Runs inside the auto-round venv (build_venvs.sh); imports nothing from quantlab:
 
 SignRound (auto-round's default algorithm) at W4A16: int4 weights, symmetric (its W4A16 default), groups of 64
 (its preset's 128 does not divide SmolLM2's 576-wide layers), --iters rounds of sign-gradient descent per block
-(default 200, its own). The windows go in as a list of {input_ids, attention_mask = all ones} samples: no
+(default 200, its own; recipe w4a16-g64-light: 50 at lr 5e-3, auto-round's `light` recipe). The windows go in as a list of {input_ids, attention_mask = all ones} samples: no
 tokenizer re-encoding, no dataset download (the hub is switched off), every token attended as quantlab's
 calibration attends it. nsamples and seqlen are the windows' count and length (auto-round skips a sample shorter
 than seqlen). Everything else keeps auto-round's defaults (batch_size 8, seed 42, lr = 1/iters, min-max tuning on,
@@ -25,7 +25,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_common import Clock, load_windows, machine, offline_hub, set_threads, staged_output, versions, write_settings
 
-RECIPES = {"w4a16-g64": {"scheme": "W4A16", "group_size": 64, "sym": True}}  # checkpoint: autoround-<recipe>
+W4A16_G64 = {"scheme": "W4A16", "group_size": 64, "sym": True}
+# checkpoint: autoround-<recipe>. "light": auto-round's own `light` recipe (cli/main.py RECIPES: 50 iterations at
+# lr 5e-3, batch 8), the settings of quantlab's 50-iteration row, so the two sit side by side on the same windows.
+RECIPES = {"w4a16-g64": W4A16_G64, "w4a16-g64-light": {**W4A16_G64, "iters": 50, "lr": 5e-3}}
 EXPORT_FORMAT = "llm_compressor"  # compressed-tensors; auto-round's others: auto_round, auto_gptq, auto_awq, gguf
 
 
