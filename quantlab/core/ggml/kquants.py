@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ...util.device import single_threaded
 from .common import (
     GROUP_MAX_EPS,
     first_absmax,
@@ -34,117 +35,29 @@ from .common import (
     wrap_i8,
     wrap_u8,
 )
-from ...util.device import single_threaded
+from .kblocks import (
+    QK_K,
+    as_u8,
+    bits_of,
+    block_sumsq,
+    pack_2bit,
+    pack_k4_scales,
+    pack_q3_scales,
+    per_weight,
+    ratio,
+    requant_min,
+    requant_sym,
+    running_max,
+    shifts,
+    sub_sums,
+    unbits,
+    unpack_2bit,
+    unpack_k4_scales,
+    unpack_q3_scales,
+)
 from .types import GGMLType
 
-QK_K = 256
 _U8 = torch.uint8
-
-
-# ---- pieces several types share -----------------------------------------------------------------------------
-
-def _block_sumsq(x: torch.Tensor) -> torch.Tensor:
-    """(N, 256) -> (N,): the impl paths' `for (j...) sumx2 += x[j]*x[j]`."""
-    return seq_sum((x * x).t().contiguous())
-
-
-def _sub_sums(w: torch.Tensor, size: int) -> torch.Tensor:
-    """(N, 256) -> (N, 256 / size): each sub-block's weights summed in order (the impl paths' sw[j])."""
-    return seq_sum(w.reshape(-1, size).t().contiguous()).view(w.shape[0], -1)
-
-
-def _running_max(v: torch.Tensor) -> torch.Tensor:
-    """(N, m) -> (N,): `if (v[j] > best) best = v[j]` from best = 0."""
-    best = torch.zeros_like(v[:, 0])
-    for j in range(v.shape[1]):
-        best = torch.where(v[:, j] > best, v[:, j], best)
-    return best
-
-
-def _ratio(num: float, den: torch.Tensor) -> torch.Tensor:
-    """num / den correctly rounded (torch's `scalar / tensor` multiplies by a reciprocal)."""
-    return torch.full_like(den, num) / den
-
-
-def _requant_min(x: torch.Tensor, d: torch.Tensor, dm: torch.Tensor, L: torch.Tensor, nmax: int) -> torch.Tensor:
-    """x (N, 256), d and dm (N, n_sub): codes clamp(round((x + dm) / d), 0, nmax); sub-blocks with d == 0 keep L."""
-    size = QK_K // d.shape[1]
-    xg, d, dm = x.reshape(-1, size), d.reshape(-1, 1), dm.reshape(-1, 1)
-    new = nearest_int((xg + dm) / d).clamp(0, nmax)
-    return torch.where(d != 0, new, L.reshape(-1, size).int()).view(-1, QK_K)
-
-
-def _requant_sym(x: torch.Tensor, d: torch.Tensor, L: torch.Tensor, half: int) -> torch.Tensor:
-    """x (N, 256), d (N, n_sub): codes clamp(round(x / d), -half, half-1) + half; d == 0 keeps L."""
-    size = QK_K // d.shape[1]
-    xg, d = x.reshape(-1, size), d.reshape(-1, 1)
-    new = nearest_int(xg / d).clamp(-half, half - 1) + half
-    return torch.where(d != 0, new, L.reshape(-1, size).int()).view(-1, QK_K)
-
-
-def _shifts(like: torch.Tensor, amounts, shape) -> torch.Tensor:
-    return torch.tensor(list(amounts), dtype=torch.int32, device=like.device).view(shape)
-
-
-def _pack_2bit(L: torch.Tensor) -> torch.Tensor:
-    """(N, 256) codes < 4 -> (N, 64): byte 32h + l holds L[128h + 32k + l] at bits 2k."""
-    L = L.int().view(-1, 2, 4, 32)
-    return (L[:, :, 0] | (L[:, :, 1] << 2) | (L[:, :, 2] << 4) | (L[:, :, 3] << 6)).reshape(-1, 64)
-
-
-def _unpack_2bit(qs: torch.Tensor) -> torch.Tensor:
-    qs = qs.int().view(-1, 2, 1, 32)
-    return ((qs >> _shifts(qs, [0, 2, 4, 6], (1, 1, 4, 1))) & 3).reshape(-1, QK_K)
-
-
-def _bits_of(L: torch.Tensor, bit: int) -> torch.Tensor:
-    """(N, 256) codes -> (N, 32): byte j holds bit `bit` of L[32k + j] at bit k (Q3_K's hmask, Q5_K's qh)."""
-    b = (L.int().view(-1, 8, 32) >> bit) & 1
-    return sum(b[:, k] << k for k in range(8))
-
-
-def _unbits(q: torch.Tensor) -> torch.Tensor:
-    return ((q.int().view(-1, 1, 32) >> _shifts(q, range(8), (1, 8, 1))) & 1).reshape(-1, QK_K)
-
-
-def _pack_k4_scales(ls: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
-    """Q4_K/Q5_K: 8 scales and 8 mins (N, 8), uint8 values -> the 12 scale bytes (N, 12) int32."""
-    s = torch.cat([ls[:, :4], lm[:, :4], (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)], dim=1)
-    high = torch.cat([(ls[:, 4:] >> 4) << 6, (lm[:, 4:] >> 4) << 6, torch.zeros_like(ls[:, :4])], dim=1)
-    return wrap_u8(s | high)
-
-
-def _unpack_k4_scales(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ggml's get_scale_min_k4 for j = 0..7: (N, 12) bytes -> (scale (N, 8), min (N, 8)) int32."""
-    q = q.int()
-    sc = torch.cat([q[:, 0:4] & 63, (q[:, 8:12] & 0xF) | ((q[:, 0:4] >> 6) << 4)], dim=1)
-    m = torch.cat([q[:, 4:8] & 63, (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)], dim=1)
-    return sc, m
-
-
-def _pack_q3_scales(l: torch.Tensor) -> torch.Tensor:
-    """Q3_K: 16 six-bit scales (N, 16) -> 12 bytes (N, 12) int32: low nibbles in 0..7, high pairs in 8..11."""
-    low = (l[:, :8] & 0xF) | ((l[:, 8:] & 0xF) << 4)
-    hi = (l >> 4).view(-1, 4, 4)  # [j // 4, j % 4]
-    high = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
-    return wrap_u8(torch.cat([low, high], dim=1))
-
-
-def _unpack_q3_scales(q: torch.Tensor) -> torch.Tensor:
-    """(N, 12) bytes -> (N, 16) int32 scales in [-32, 31]."""
-    q = q.int()
-    low = torch.cat([q[:, :8] & 0xF, q[:, :8] >> 4], dim=1)
-    high = (q[:, 8:12].view(-1, 1, 4) >> _shifts(q, [0, 2, 4, 6], (1, 4, 1))) & 3
-    return (low | (high.reshape(-1, 16) << 4)) - 32
-
-
-def _per_weight(v: torch.Tensor) -> torch.Tensor:
-    """(N, n_sub) -> (N, 256): each sub-block's value on each of its weights."""
-    return v.repeat_interleave(QK_K // v.shape[1], dim=1)
-
-
-def _u8(*parts: torch.Tensor) -> torch.Tensor:
-    return torch.cat([p.to(_U8) for p in parts], dim=1)
 
 
 # ---- Q4_K and Q5_K: 8 sub-blocks of 32, 6-bit scales and mins --------------------------------------------------
@@ -159,32 +72,32 @@ def _fit_q45(x: torch.Tensor, imp: torch.Tensor | None, nmax: int):
         rmin, nstep = (-1.0, 20) if nmax == 15 else (-0.5, 15)
         scales, mins, L = make_qkx2_quants(xg, weights, nmax, rmin, 0.1, nstep, False)
         scales, mins = scales.view(n, 8), mins.view(n, 8)
-        max_scale, max_min = _running_max(scales), _running_max(mins)
-        inv_scale = torch.where(max_scale > 0, _ratio(63.0, max_scale), torch.zeros_like(max_scale))
-        inv_min = torch.where(max_min > 0, _ratio(63.0, max_min), torch.zeros_like(max_min))
+        max_scale, max_min = running_max(scales), running_max(mins)
+        inv_scale = torch.where(max_scale > 0, ratio(63.0, max_scale), torch.zeros_like(max_scale))
+        inv_min = torch.where(max_min > 0, ratio(63.0, max_min), torch.zeros_like(max_min))
         ls = wrap_u8(nearest_int(inv_scale[:, None] * scales)).clamp(max=63)
         lm = wrap_u8(nearest_int(inv_min[:, None] * mins)).clamp(max=63)
         d, dmin = fp16_round(max_scale / 63.0), fp16_round(max_min / 63.0)
     else:  # *_impl
-        sigma2 = 2 * _block_sumsq(x) / QK_K
+        sigma2 = 2 * block_sumsq(x) / QK_K
         weights = imp * sqrtf(sigma2[:, None] + x * x)
         scales, mins, L = make_qkx3_quants(xg, weights.reshape(-1, 32), nmax, -0.9, 0.05, 36, False)
-        sw = _sub_sums(weights, 32)
+        sw = sub_sums(weights, 32)
         d_block, ls = make_qp_quants(scales.view(n, 8), 63, sw)
         m_block, lm = make_qp_quants(mins.view(n, 8), 63, sw)
         if nmax == 31:  # only Q5_K's impl clamps the (possibly wrapped) codes
             ls, lm = ls.clamp(max=63), lm.clamp(max=63)
         d, dmin = fp16_round(d_block), fp16_round(m_block)
-    scale_bytes = _pack_k4_scales(ls, lm)
-    sc, m = _unpack_k4_scales(scale_bytes)
-    L = _requant_min(x, d[:, None] * sc.float(), dmin[:, None] * m.float(), L, nmax)
+    scale_bytes = pack_k4_scales(ls, lm)
+    sc, m = unpack_k4_scales(scale_bytes)
+    L = requant_min(x, d[:, None] * sc.float(), dmin[:, None] * m.float(), L, nmax)
     return d, dmin, scale_bytes, L
 
 
 def _grid_q45(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d, dmin = fp16_from_bytes(raw[:, 0:2]), fp16_from_bytes(raw[:, 2:4])
-    sc, m = _unpack_k4_scales(raw[:, 4:16])
-    return _per_weight(d[:, None] * sc.float()), -_per_weight(dmin[:, None] * m.float())
+    sc, m = unpack_k4_scales(raw[:, 4:16])
+    return per_weight(d[:, None] * sc.float()), -per_weight(dmin[:, None] * m.float())
 
 
 def _q4_k_pack(L: torch.Tensor) -> torch.Tensor:
@@ -194,12 +107,12 @@ def _q4_k_pack(L: torch.Tensor) -> torch.Tensor:
 
 def _q4_k_quantize(x, imp):
     d, dmin, scale_bytes, L = _fit_q45(x, imp, 15)
-    return _u8(fp16_bytes(d), fp16_bytes(dmin), scale_bytes, _q4_k_pack(L))
+    return as_u8(fp16_bytes(d), fp16_bytes(dmin), scale_bytes, _q4_k_pack(L))
 
 
 def _q4_k_codes(raw):
     qs = raw[:, 16:144].int().view(-1, 4, 1, 32)
-    return ((qs >> _shifts(qs, [0, 4], (1, 1, 2, 1))) & 0xF).reshape(-1, QK_K).to(_U8)
+    return ((qs >> shifts(qs, [0, 4], (1, 1, 2, 1))) & 0xF).reshape(-1, QK_K).to(_U8)
 
 
 def _q4_k_repack(raw, codes):
@@ -207,21 +120,21 @@ def _q4_k_repack(raw, codes):
 
 
 def _q5_k_pack(L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _bits_of(L, 4), _q4_k_pack(L.int() & 0xF)
+    return bits_of(L, 4), _q4_k_pack(L.int() & 0xF)
 
 
 def _q5_k_quantize(x, imp):
     d, dmin, scale_bytes, L = _fit_q45(x, imp, 31)
-    return _u8(fp16_bytes(d), fp16_bytes(dmin), scale_bytes, *_q5_k_pack(L))
+    return as_u8(fp16_bytes(d), fp16_bytes(dmin), scale_bytes, *_q5_k_pack(L))
 
 
 def _q5_k_codes(raw):
     low = _q4_k_codes(torch.cat([raw[:, :16], raw[:, 48:176]], dim=1))
-    return (low | (_unbits(raw[:, 16:48]) << 4)).to(_U8)
+    return (low | (unbits(raw[:, 16:48]) << 4)).to(_U8)
 
 
 def _q5_k_repack(raw, codes):
-    return _u8(raw[:, :16], *_q5_k_pack(codes))
+    return as_u8(raw[:, :16], *_q5_k_pack(codes))
 
 
 # ---- Q6_K: 16 sub-blocks of 16, int8 scales, symmetric 6-bit codes ----------------------------------------------
@@ -240,31 +153,31 @@ def _q6_k_quantize(x, imp):
     scales = scales.view(n, 16)
     max_abs, max_scale = first_absmax(scales.t())
     zero_block = max_abs < GROUP_MAX_EPS
-    iscale = _ratio(-128.0, max_scale)
+    iscale = ratio(-128.0, max_scale)
     d = fp16_round(torch.ones_like(iscale) / iscale)
     sc = wrap_i8(nearest_int(iscale[:, None] * scales).clamp(max=127))
-    L = _requant_sym(x, d[:, None] * sc.float(), L, 32)
-    raw = _u8(*_q6_k_pack(L), wrap_u8(sc), fp16_bytes(d))
+    L = requant_sym(x, d[:, None] * sc.float(), L, 32)
+    raw = as_u8(*_q6_k_pack(L), wrap_u8(sc), fp16_bytes(d))
     return torch.where(zero_block[:, None], torch.zeros_like(raw), raw)
 
 
 def _q6_k_codes(raw):
     ql = raw[:, 0:128].int().view(-1, 2, 1, 2, 32)  # [half, nibble, a, l] -> k = 2*nibble + a
-    low = ((ql >> _shifts(ql, [0, 4], (1, 1, 2, 1, 1))) & 0xF).view(-1, 2, 4, 32)
+    low = ((ql >> shifts(ql, [0, 4], (1, 1, 2, 1, 1))) & 0xF).view(-1, 2, 4, 32)
     qh = raw[:, 128:192].int().view(-1, 2, 1, 32)
-    high = (qh >> _shifts(qh, [0, 2, 4, 6], (1, 1, 4, 1))) & 3
+    high = (qh >> shifts(qh, [0, 2, 4, 6], (1, 1, 4, 1))) & 3
     return (low | (high << 4)).reshape(-1, QK_K).to(_U8)
 
 
 def _q6_k_grid(raw):
     sc = wrap_i8(raw[:, 192:208].int())
     d = fp16_from_bytes(raw[:, 208:210])
-    scale = _per_weight(d[:, None] * sc.float())
+    scale = per_weight(d[:, None] * sc.float())
     return scale, torch.full_like(scale, -0.0)
 
 
 def _q6_k_repack(raw, codes):
-    return _u8(*_q6_k_pack(codes), raw[:, 192:210])
+    return as_u8(*_q6_k_pack(codes), raw[:, 192:210])
 
 
 # ---- Q3_K: 16 sub-blocks of 16, 6-bit scales, symmetric 3-bit codes ---------------------------------------------
@@ -276,35 +189,35 @@ def _q3_k_quantize(x, imp):
         scales, L = make_q3_quants(xg, 4, True)
         scales = scales.view(n, 16)
         _, max_scale = first_absmax(scales.t())
-        iscale = _ratio(-32.0, max_scale)
+        iscale = ratio(-32.0, max_scale)
         l = wrap_i8(nearest_int(iscale[:, None] * scales)).clamp(-32, 31) + 32
         nonzero = max_scale != 0
-        scale_bytes = torch.where(nonzero[:, None], _pack_q3_scales(l), 0)
+        scale_bytes = torch.where(nonzero[:, None], pack_q3_scales(l), 0)
         d = torch.where(nonzero, fp16_round(torch.ones_like(iscale) / iscale), torch.zeros_like(iscale))
     else:  # *_impl
-        sigma2 = 2 * _block_sumsq(x) / QK_K
+        sigma2 = 2 * block_sumsq(x) / QK_K
         weights = imp * sqrtf(sigma2[:, None] + x * x)
         scales, L = make_qx_quants(xg, 4, 1, weights.reshape(-1, 16))
-        d_block, ls = make_qx_quants(scales.view(n, 16), 32, 1, _sub_sums(weights, 16))
-        scale_bytes = _pack_q3_scales(ls.int())
+        d_block, ls = make_qx_quants(scales.view(n, 16), 32, 1, sub_sums(weights, 16))
+        scale_bytes = pack_q3_scales(ls.int())
         d = fp16_round(d_block)
-    sc = _unpack_q3_scales(scale_bytes)
-    L = _requant_sym(x, d[:, None] * sc.float(), L, 4)
-    return _u8(_bits_of(L, 2), _pack_2bit(L & 3), scale_bytes, fp16_bytes(d))
+    sc = unpack_q3_scales(scale_bytes)
+    L = requant_sym(x, d[:, None] * sc.float(), L, 4)
+    return as_u8(bits_of(L, 2), pack_2bit(L & 3), scale_bytes, fp16_bytes(d))
 
 
 def _q3_k_codes(raw):
-    return (_unpack_2bit(raw[:, 32:96]) | (_unbits(raw[:, 0:32]) << 2)).to(_U8)
+    return (unpack_2bit(raw[:, 32:96]) | (unbits(raw[:, 0:32]) << 2)).to(_U8)
 
 
 def _q3_k_grid(raw):
     d = fp16_from_bytes(raw[:, 108:110])
-    scale = _per_weight(d[:, None] * _unpack_q3_scales(raw[:, 96:108]).float())
+    scale = per_weight(d[:, None] * unpack_q3_scales(raw[:, 96:108]).float())
     return scale, torch.full_like(scale, -0.0)
 
 
 def _q3_k_repack(raw, codes):
-    return _u8(_bits_of(codes, 2), _pack_2bit(codes.int() & 3), raw[:, 96:110])
+    return as_u8(bits_of(codes, 2), pack_2bit(codes.int() & 3), raw[:, 96:110])
 
 
 # ---- Q2_K: 16 sub-blocks of 16, 4-bit scales and mins, 2-bit codes ----------------------------------------------
@@ -315,36 +228,36 @@ def _q2_k_quantize(x, imp):
     if imp is None:  # *_ref
         scales, mins, L = make_qkx2_quants(xg, xg.abs(), 3, -0.5, 0.1, 15, True)
         scales, mins = scales.view(n, 16), mins.view(n, 16)
-        max_scale, max_min = _running_max(scales), _running_max(mins)
+        max_scale, max_min = running_max(scales), running_max(mins)
         has_scale, has_min = max_scale > 0, max_min > 0
-        low = wrap_u8(nearest_int(_ratio(15.0, max_scale)[:, None] * scales))
+        low = wrap_u8(nearest_int(ratio(15.0, max_scale)[:, None] * scales))
         low = torch.where(has_scale[:, None], low, 0)
-        high = nearest_int(_ratio(15.0, max_min)[:, None] * mins) << 4
+        high = nearest_int(ratio(15.0, max_min)[:, None] * mins) << 4
         scale_bytes = wrap_u8(torch.where(has_min[:, None], low | high, low))
         zero = torch.zeros_like(max_scale)
         d = torch.where(has_scale, fp16_round(max_scale / 15.0), zero)
         dmin = torch.where(has_min, fp16_round(max_min / 15.0), zero)
     else:  # *_impl
-        sigma2 = _block_sumsq(x) / QK_K
+        sigma2 = block_sumsq(x) / QK_K
         weights = imp * sqrtf(sigma2[:, None] + x * x)
         scales, mins, L = make_qkx3_quants(xg, weights.reshape(-1, 16), 3, -0.9, 0.05, 36, False)
-        sw = _sub_sums(weights, 16)
+        sw = sub_sums(weights, 16)
         dm, ls = make_qp_quants(scales.view(n, 16), 15, sw)
         mm, lm = make_qp_quants(mins.view(n, 16), 15, sw)
         d, dmin = fp16_round(dm), fp16_round(mm)
         scale_bytes = wrap_u8(ls | (lm << 4))
-    L = _requant_min(x, d[:, None] * (scale_bytes & 0xF).float(), dmin[:, None] * (scale_bytes >> 4).float(), L, 3)
-    return _u8(scale_bytes, _pack_2bit(L), fp16_bytes(d), fp16_bytes(dmin))
+    L = requant_min(x, d[:, None] * (scale_bytes & 0xF).float(), dmin[:, None] * (scale_bytes >> 4).float(), L, 3)
+    return as_u8(scale_bytes, pack_2bit(L), fp16_bytes(d), fp16_bytes(dmin))
 
 
 def _q2_k_grid(raw):
     sc = raw[:, 0:16].int()
     d, dmin = fp16_from_bytes(raw[:, 80:82]), fp16_from_bytes(raw[:, 82:84])
-    return _per_weight(d[:, None] * (sc & 0xF).float()), -_per_weight(dmin[:, None] * (sc >> 4).float())
+    return per_weight(d[:, None] * (sc & 0xF).float()), -per_weight(dmin[:, None] * (sc >> 4).float())
 
 
 def _q2_k_repack(raw, codes):
-    return _u8(raw[:, 0:16], _pack_2bit(codes), raw[:, 80:84])
+    return as_u8(raw[:, 0:16], pack_2bit(codes), raw[:, 80:84])
 
 
 # ---- the registry entries -------------------------------------------------------------------------------------
@@ -389,7 +302,7 @@ def _k_type(name, gguf_id, type_size, levels, quantize, codes, grid, repack, sum
 
 
 TYPES = (
-    _k_type("q2_k", 10, 84, range(4), _q2_k_quantize, lambda raw: _unpack_2bit(raw[:, 16:80]).to(_U8), _q2_k_grid,
+    _k_type("q2_k", 10, 84, range(4), _q2_k_quantize, lambda raw: unpack_2bit(raw[:, 16:80]).to(_U8), _q2_k_grid,
             _q2_k_repack, "llama.cpp Q2_K: 16 sub-blocks of 16, 4-bit scales and mins, fp16 super-scales; 2.625 bits/w"),
     _k_type("q3_k", 11, 110, range(-4, 4), _q3_k_quantize, _q3_k_codes, _q3_k_grid, _q3_k_repack,
             "llama.cpp Q3_K: 16 sub-blocks of 16, 6-bit scales, symmetric, fp16 super-scale; 3.4375 bits/w"),
