@@ -196,3 +196,58 @@ def test_lora_adapters_beside_the_codes_do_not_export(tiny_model_dir):
              "backend": "onnxruntime"}]
     with pytest.raises(ValueError, match="not the float adapters lora keeps beside them"):
         parse_experiment({"name": "bad", "model": str(tiny_model_dir), "run": runs})
+
+
+def test_ort_profile_counts_each_decode_steps_kernels(tiny_model, tmp_path):
+    """A session loaded with `profile` records ORT's per-node profile; op_times, skipping the prefill, sees the
+    three decode steps and exactly one MatMulNBits kernel per quantized linear per step (14 each), and the
+    kernels' time is inside the runs' time."""
+    from quantlab.backends.ort_profile import category, op_times
+
+    model = _quantized_tiny(tiny_model, {"method": "rtn", "bits": 4, "group_size": 32, "symmetric": False})
+    _, summary = ort_backend.export_onnxruntime(model, tmp_path / "model.onnx")
+    ort_model = ort_backend.load_ort(tmp_path, threads=1, profile=tmp_path / "prof")
+    ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(1))
+    out = ort_model(ids[:, :16], use_cache=True, logits_to_keep=1)
+    for t in range(16, 19):
+        out = ort_model(ids[:, t:t + 1], use_cache=True, past_key_values=out.past_key_values, logits_to_keep=1)
+    path = ort_model.session.end_profiling()
+    decode, every = op_times(path, skip_runs=1), op_times(path)
+    assert (decode["runs"], every["runs"]) == (3, 4)
+    assert decode["ops"]["MatMulNBits"][1] == 3 * summary["exported_layers"] == 3 * 14
+    assert every["ops"]["MatMulNBits"][1] == 4 * 14
+    assert 0 < decode["kernel_us"] <= decode["run_us"] and decode["run_us"] < every["run_us"]
+    assert decode["kernel_us"] == sum(us for us, _ in decode["ops"].values())
+    parts = op_times(path, skip_runs=1, key=category)["ops"]
+    assert set(parts) == {"linear", "attention", "concat", "other"}
+    assert parts["linear"][1] == 3 * (14 + 1)  # and the float lm_head, once a step
+    assert parts["attention"][1] == 3 * 2 * 3  # per layer: q·kᵀ, softmax, ·v
+    assert sum(us for us, _ in parts.values()) == decode["kernel_us"]
+    with pytest.raises(ValueError, match="none left after skipping 4"):
+        op_times(path, skip_runs=4)
+
+
+def test_the_decode_profile_script_splits_each_step_into_its_parts(tiny_model_dir, tmp_path):
+    """experiments/profile_ort_decode.py end to end on the tiny model: a row per configuration, batch and part; the
+    linears, attention and the KV cache's concat are seen in both runtimes' profiles; the CPU is named."""
+    import importlib.util
+
+    import pandas as pd
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("profile_ort_decode", REPO / "experiments" / "profile_ort_decode.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "profile.csv"
+    assert script.main(["--model", str(tiny_model_dir), "--prefill", "8", "--decode", "3", "--warmup", "1",
+                        "--batches", "2", "--threads", str(torch.get_num_threads()), "--out", str(out),
+                        "--configs", "fp32", "ort-int4-g64"]) == 0  # ORT fp32: one more export, the same code
+    df = pd.read_csv(out)
+    assert len(df) == 2 * len(script.PARTS)
+    assert set(df.config) == {"fp32", "ort-int4-g64"} and set(df.part) == set(script.PARTS)
+    seen = df.set_index(["config", "part"]).ms_per_step
+    for config in ("fp32", "ort-int4-g64"):
+        assert all(seen[(config, part)] > 0 for part in ("linear", "attention", "concat")), config
+    assert df.cpu_model.notna().all() and df.loadavg_1m_start.notna().all()
+    md = out.with_suffix(".md").read_text()
+    assert "| 2 | ort-int4-g64 |" in md and "## Findings" in md and "**Batch 2.**" in md

@@ -144,7 +144,7 @@ class OrtCausalLM(nn.Module):
     """An ORT InferenceSession behind the slice of the HF causal-LM interface quantlab's harness uses:
     model(ids).logits, and model(ids, use_cache=True, past_key_values=cache, logits_to_keep=1)."""
 
-    def __init__(self, path: str | Path, config, threads: int | None = None):
+    def __init__(self, path: str | Path, config, threads: int | None = None, profile: str | Path | None = None):
         super().__init__()
         require_ort()
         import onnxruntime as ort
@@ -153,6 +153,9 @@ class OrtCausalLM(nn.Module):
         opts.intra_op_num_threads = threads or torch.get_num_threads()
         opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if profile is not None:  # ORT's per-node profile: session.end_profiling() writes it (ort_profile.op_times)
+            opts.enable_profiling = True
+            opts.profile_file_prefix = str(profile)
         try:
             self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         except Exception as e:  # ORT raises its own Fail / InvalidGraph / NotImplemented types
@@ -214,12 +217,13 @@ def export_onnxruntime(model: nn.Module, path: str | Path, probe_ids: torch.Tens
     return ort_model, summary
 
 
-def load_ort(directory: str | Path, threads: int | None = None) -> OrtCausalLM:
-    """The OrtCausalLM export_onnxruntime wrote to directory/model.onnx (with its config.json)."""
+def load_ort(directory: str | Path, threads: int | None = None, profile: str | Path | None = None) -> OrtCausalLM:
+    """The OrtCausalLM export_onnxruntime wrote to directory/model.onnx (with its config.json); `profile`: a file
+    prefix, for a session that records ORT's per-node profile (backends/ort_profile.py)."""
     from transformers import AutoConfig
 
     directory = Path(directory)
-    return OrtCausalLM(directory / "model.onnx", AutoConfig.from_pretrained(directory), threads)
+    return OrtCausalLM(directory / "model.onnx", AutoConfig.from_pretrained(directory), threads, profile)
 
 
 def _parity_key(kinds: Counter, accuracy_level: int) -> str:
