@@ -228,9 +228,11 @@ def test_ort_profile_counts_each_decode_steps_kernels(tiny_model, tmp_path):
 
 
 def test_the_decode_profile_script_splits_each_step_into_its_parts(tiny_model_dir, tmp_path):
-    """experiments/profile_ort_decode.py end to end on the tiny model: a row per configuration, batch and part; the
-    linears, attention and the KV cache's concat are seen in both runtimes' profiles; the CPU is named."""
+    """experiments/profile_ort_decode.py end to end on the tiny model: a row per configuration, batch and part; ORT's
+    profile sees its linears, attention, the KV cache's concat and the rest, PyTorch's hooks its linears, attention
+    and the rest; ORT's op types are counted per step; the CPU is named."""
     import importlib.util
+    import math
 
     import pandas as pd
     from conftest import REPO
@@ -246,8 +248,12 @@ def test_the_decode_profile_script_splits_each_step_into_its_parts(tiny_model_di
     assert len(df) == 2 * len(script.PARTS)
     assert set(df.config) == {"fp32", "ort-int4-g64"} and set(df.part) == set(script.PARTS)
     seen = df.set_index(["config", "part"]).ms_per_step
-    for config in ("fp32", "ort-int4-g64"):
-        assert all(seen[(config, part)] > 0 for part in ("linear", "attention", "concat")), config
+    assert all(seen[("ort-int4-g64", part)] > 0 for part in ("linear", "attention", "concat", "other"))
+    assert all(seen[("fp32", part)] > 0 for part in ("linear", "attention", "other"))  # timed by hooks: its concat
+    assert math.isnan(seen[("fp32", "concat")]) and math.isnan(seen[("fp32", "outside kernels")])  # is in attention
     assert df.cpu_model.notna().all() and df.loadavg_1m_start.notna().all()
     md = out.with_suffix(".md").read_text()
     assert "| 2 | ort-int4-g64 |" in md and "## Findings" in md and "**Batch 2.**" in md
+    ops = pd.read_csv(out.with_name("profile_ops.csv"))  # ORT int4: one MatMulNBits a quantized linear, each step
+    assert set(ops.config) == {"ort-int4-g64"}
+    assert ops.set_index("op").calls_per_step["MatMulNBits"] == 14 and "MatMulNBits" in md
