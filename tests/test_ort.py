@@ -257,3 +257,45 @@ def test_the_decode_profile_script_splits_each_step_into_its_parts(tiny_model_di
     ops = pd.read_csv(out.with_name("profile_ops.csv"))  # ORT int4: one MatMulNBits a quantized linear, each step
     assert set(ops.config) == {"ort-int4-g64"}
     assert ops.set_index("op").calls_per_step["MatMulNBits"] == 14 and "MatMulNBits" in md
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 2), (9, 3), (4, 4)])
+def test_grouped_attention_is_eager_attention_without_repeating_the_cache(q_heads, kv_heads):
+    """ort_attention.grouped_attention against transformers' eager attention (repeat_kv, then the same ops) on one
+    query step and on a prefill with an additive mask: equal to 1e-6 (another summation order at most)."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    from quantlab.backends.ort_attention import grouped_attention
+
+    gen = torch.Generator().manual_seed(q_heads)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = q_heads // kv_heads, False
+    for t, s in ((1, 7), (5, 5)):
+        q = torch.randn(2, q_heads, t, 8, generator=gen)
+        k, v = torch.randn(2, kv_heads, s, 8, generator=gen), torch.randn(2, kv_heads, s, 8, generator=gen)
+        mask = torch.where(torch.rand(2, 1, t, s, generator=gen) < 0.3, torch.finfo(torch.float32).min, 0.0)
+        mask[..., -1] = 0.0  # every query sees one key
+        got, _ = grouped_attention(module, q, k, v, mask, scaling=0.3)
+        want, _ = eager_attention_forward(module, q, k, v, mask, scaling=0.3)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_the_exported_graph_copies_no_kv_cache_per_layer(tmp_path):
+    """The graph's Expand nodes do not grow with the layers (transformers' own attention repeats each layer's KV
+    heads with an Expand), its logits still match the model, and the model keeps its own attention afterwards."""
+    import onnx
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    expands = {}
+    for layers in (1, 2):
+        cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).eval()
+        ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+        _, summary = ort_backend.export_onnxruntime(model, tmp_path / f"{layers}" / "model.onnx", ids)
+        assert summary["export_parity_ok"] and summary["export_parity_logits_rel_rms"] <= 1e-5
+        assert model.config._attn_implementation == "sdpa"
+        graph = onnx.load(str(tmp_path / f"{layers}" / "model.onnx"), load_external_data=False).graph
+        expands[layers] = sum(n.op_type == "Expand" for n in graph.node)
+    assert expands[1] == expands[2], expands

@@ -13,7 +13,8 @@ What each quantized linear becomes (ort_modules.ort_kind decides, per layer, and
 
 The graph is torch.onnx.export's (the dynamo exporter) of the Hugging Face model wrapped so that the KV cache
 is plain inputs/outputs (past_key_i / past_value_i -> present_*), plus `logit_positions`: which positions get
-logits (all of them for perplexity, the last one for prefill and decode, as generate's logits_to_keep=1).
+logits (all of them for perplexity, the last one for prefill and decode, as generate's logits_to_keep=1). Its
+attention is ort_attention.grouped_attention (eager attention's math without repeating the KV heads).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from torch import nn
 
 from ..core.registry import get_method
 from . import ort_ops
+from .ort_attention import grouped_attention_for_export
 from .ort_modules import ACCURACY_LEVELS, DequantLinear, OrtLinearA8W8, OrtLinearNBits, ort_kind, swap_for_ort
 
 OPSET = 18
@@ -117,7 +119,7 @@ def export_onnx(model: nn.Module, path: str | Path) -> dict:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), grouped_attention_for_export(model):  # GQA without copies of the KV cache
         program = torch.onnx.export(
             _KVWrapper(model, n_layers).eval(), (ids, mask, positions, *past), dynamo=True, opset_version=OPSET,
             input_names=["input_ids", "attention_mask", "logit_positions", *names],
