@@ -198,33 +198,39 @@ def test_lora_adapters_beside_the_codes_do_not_export(tiny_model_dir):
         parse_experiment({"name": "bad", "model": str(tiny_model_dir), "run": runs})
 
 
-def test_ort_profile_counts_each_decode_steps_kernels(tiny_model, tmp_path):
-    """A session loaded with `profile` records ORT's per-node profile; op_times, skipping the prefill, sees the
-    three decode steps and exactly one MatMulNBits kernel per quantized linear per step (14 each), and the
-    kernels' time is inside the runs' time."""
+def test_op_times_sums_the_kernels_of_the_runs_it_keeps(tmp_path):
+    """ort_profile.op_times on a written profile (ORT's JSON event list): kernels are summed per op type (or per
+    `key`) over the runs after skip_runs, in time order; a kernel outside every kept run, and fence events, do not
+    count; category sorts ORT's nodes into parts by op type and node name."""
+    import json
+
     from quantlab.backends.ort_profile import category, op_times
 
-    model = _quantized_tiny(tiny_model, {"method": "rtn", "bits": 4, "group_size": 32, "symmetric": False})
-    _, summary = ort_backend.export_onnxruntime(model, tmp_path / "model.onnx")
-    ort_model = ort_backend.load_ort(tmp_path, threads=1, profile=tmp_path / "prof")
-    ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(1))
-    out = ort_model(ids[:, :16], use_cache=True, logits_to_keep=1)
-    for t in range(16, 19):
-        out = ort_model(ids[:, t:t + 1], use_cache=True, past_key_values=out.past_key_values, logits_to_keep=1)
-    path = ort_model.session.end_profiling()
-    decode, every = op_times(path, skip_runs=1), op_times(path)
-    assert (decode["runs"], every["runs"]) == (3, 4)
-    assert decode["ops"]["MatMulNBits"][1] == 3 * summary["exported_layers"] == 3 * 14
-    assert every["ops"]["MatMulNBits"][1] == 4 * 14
-    assert 0 < decode["kernel_us"] <= decode["run_us"] and decode["run_us"] < every["run_us"]
-    assert decode["kernel_us"] == sum(us for us, _ in decode["ops"].values())
+    def run(ts, dur):
+        return {"cat": "Session", "name": "model_run", "ts": ts, "dur": dur}
+
+    def node(name, op, ts, dur, inputs=None):
+        return {"cat": "Node", "name": f"{name}_kernel_time", "ts": ts, "dur": dur,
+                "args": {"op_name": op, "input_type_shape": inputs or [{"float": [1]}]}}
+
+    events = [run(200, 100), run(0, 100), run(400, 100),  # out of order on purpose: sorted by ts
+              node("node_matmul_nbits", "MatMulNBits", 10, 30), node("node_matmul_nbits", "MatMulNBits", 210, 20),
+              node("node_linear", "MatMul", 240, 5), node("node_MatMul_1/MatMulScaleFusion/", "FusedMatMul", 250, 4),
+              node("node_Softmax_2", "Softmax", 255, 1), node("node_cat_3", "Concat", 260, 7),
+              node("node_Concat_4", "Concat", 270, 1, [{"int64": [1]}]), node("node_Mul_5", "Mul", 410, 3),
+              node("node_Mul_6", "Mul", 350, 9),  # between runs: not counted
+              {"cat": "Node", "name": "node_Mul_5_fence_before", "ts": 409, "dur": 1, "args": {"op_name": "Mul"}}]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(events))
+    every = op_times(path)
+    assert every["runs"] == 3 and every["run_us"] == 300 and every["kernel_us"] == 30 + 20 + 5 + 4 + 1 + 7 + 1 + 3
+    assert every["ops"]["MatMulNBits"] == (50, 2) and every["ops"]["Mul"] == (3, 1) and "Mul" in every["ops"]
+    last_two = op_times(path, skip_runs=1)  # the first run in time (ts 0) is left out
+    assert last_two["runs"] == 2 and last_two["ops"]["MatMulNBits"] == (20, 1) and last_two["run_us"] == 200
     parts = op_times(path, skip_runs=1, key=category)["ops"]
-    assert set(parts) == {"linear", "attention", "concat", "other"}
-    assert parts["linear"][1] == 3 * (14 + 1)  # and the float lm_head, once a step
-    assert parts["attention"][1] == 3 * 2 * 3  # per layer: q·kᵀ, softmax, ·v
-    assert sum(us for us, _ in parts.values()) == decode["kernel_us"]
-    with pytest.raises(ValueError, match="none left after skipping 4"):
-        op_times(path, skip_runs=4)
+    assert parts == {"linear": (25, 2), "attention": (5, 2), "concat": (7, 1), "other": (4, 2)}
+    with pytest.raises(ValueError, match="none left after skipping 3"):
+        op_times(path, skip_runs=3)
 
 
 def test_the_decode_profile_script_splits_each_step_into_its_parts(tiny_model_dir, tmp_path):
@@ -254,9 +260,11 @@ def test_the_decode_profile_script_splits_each_step_into_its_parts(tiny_model_di
     assert df.cpu_model.notna().all() and df.loadavg_1m_start.notna().all()
     md = out.with_suffix(".md").read_text()
     assert "| 2 | ort-int4-g64 |" in md and "## Findings" in md and "**Batch 2.**" in md
-    ops = pd.read_csv(out.with_name("profile_ops.csv"))  # ORT int4: one MatMulNBits a quantized linear, each step
-    assert set(ops.config) == {"ort-int4-g64"}
-    assert ops.set_index("op").calls_per_step["MatMulNBits"] == 14 and "MatMulNBits" in md
+    ops = pd.read_csv(out.with_name("profile_ops.csv"))  # ORT's profile of the real graph, per decode step:
+    assert set(ops.config) == {"ort-int4-g64"} and "MatMulNBits" in md
+    calls = ops.groupby("part").calls_per_step.sum()
+    assert ops.set_index("op").calls_per_step["MatMulNBits"] == 14  # one a quantized linear
+    assert calls["linear"] == 14 + 1 and calls["attention"] == 2 * 3  # + the float lm_head; q·kᵀ, softmax, ·v a layer
 
 
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 2), (9, 3), (4, 4)])
@@ -280,22 +288,27 @@ def test_grouped_attention_is_eager_attention_without_repeating_the_cache(q_head
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
-def test_the_exported_graph_copies_no_kv_cache_per_layer(tmp_path):
-    """The graph's Expand nodes do not grow with the layers (transformers' own attention repeats each layer's KV
-    heads with an Expand), its logits still match the model, and the model keeps its own attention afterwards."""
+def test_the_exported_graph_copies_no_kv_cache_per_layer(tiny_model, tmp_path):
+    """No Expand in the exported graph takes the KV cache (transformers' own attention repeats each layer's cache
+    for its query heads: the updated cache's Concat -> Unsqueeze -> Expand), its logits still match the model, and
+    the model keeps its own attention afterwards."""
     import onnx
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    expands = {}
-    for layers in (1, 2):
-        cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2)
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg).eval()
-        ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
-        _, summary = ort_backend.export_onnxruntime(model, tmp_path / f"{layers}" / "model.onnx", ids)
-        assert summary["export_parity_ok"] and summary["export_parity_logits_rel_rms"] <= 1e-5
-        assert model.config._attn_implementation == "sdpa"
-        graph = onnx.load(str(tmp_path / f"{layers}" / "model.onnx"), load_external_data=False).graph
-        expands[layers] = sum(n.op_type == "Expand" for n in graph.node)
-    assert expands[1] == expands[2], expands
+    model = copy.deepcopy(tiny_model[0])
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # the tiny model is GQA
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    _, summary = ort_backend.export_onnxruntime(model, tmp_path / "model.onnx", ids)
+    assert summary["export_parity_ok"] and summary["export_parity_logits_rel_rms"] <= 1e-5
+    assert model.config._attn_implementation == tiny_model[0].config._attn_implementation
+    graph = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False).graph
+    producer = {out: n for n in graph.node for out in n.output}
+    caches = {o.name for o in graph.output if o.name.startswith("present_")}
+
+    def reaches_cache(name: str, hops: int) -> bool:
+        if name in caches:
+            return True
+        n = producer.get(name)
+        return hops > 0 and n is not None and any(reaches_cache(i, hops - 1) for i in n.input)
+
+    expands = [n for n in graph.node if n.op_type == "Expand"]
+    assert not [n.name for n in expands if reaches_cache(n.input[0], 3)]
