@@ -1,6 +1,6 @@
 """Where a decode step's time goes in ONNX Runtime and in PyTorch, at batch 1 and 8 (issue 32's ORT batch-8 profile).
 
-    python3 experiments/profile_ort_decode.py --threads 1     # ~12 min on a 2-core AVX2 EPYC (two ONNX exports)
+    python3 experiments/profile_ort_decode.py --threads 1     # ~8 min on a 2-core AVX2 EPYC (two ONNX exports)
 
 SmolLM2-135M, the configurations of reports/smollm2_speed: PyTorch fp32, ORT fp32 and ORT int4 g64 (asymmetric,
 accuracy level 4: MatMulNBits with int8 activations), each exported once. Per configuration and batch: a prefill of
