@@ -35,7 +35,9 @@ on SmolLM2-135M (ONNX Runtime 1.32, glibc with a fixed mmap threshold, so freed 
   as one prompt): the PyTorch terms above + the attention scores, which the exported graph materializes
   (SDPA decomposed into QKᵀ, + mask, Softmax, IsNaN, Where: four fp32 and one bool (B, heads, T, T) tensors,
   17 B per score if all are alive at once): batch x heads x seq_len² x 17 B (measured 16.5 B: the second
-  difference of the batch-8 prefill peak over T = 256, 384, 512, arena off). Decode: the present_* outputs
+  difference of the batch-8 prefill peak over T = 256, 384, 512, arena off; measured on the graph exported with
+  transformers' SDPA, before backends/ort_attention's grouped attention, whose scores are QKᵀ, + mask and Softmax
+  only: not re-measured yet, so this term may now be high). Decode: the present_* outputs
   are a second KV cache while the past_* inputs live;
 - overhead: the framework constant above (the probe child imports torch and transformers too: 423 MiB
   measured) + ORT_OVERHEAD_MIB for the ONNX Runtime library (18 MiB RSS on import) and the session beyond
