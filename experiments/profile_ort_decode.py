@@ -110,12 +110,13 @@ def profile_ort(directory: Path, threads: int, prompt, warmup: int, steps: int, 
     model = load_ort(directory, threads, profile=prefix)
     _, run = decode_steps(model, prompt, warmup)
     wall = statistics.mean(run(steps))
-    path = model.session.end_profiling()
-    parts = op_times(path, skip_runs=1 + warmup, key=category)
-    by_op = op_times(path, skip_runs=1 + warmup, key=lambda e: (e.get("args", {}).get("op_name", "?"), category(e)))
-    assert parts["runs"] == steps == by_op["runs"], (parts["runs"], by_op["runs"])
+    by_op = op_times(model.session.end_profiling(), skip_runs=1 + warmup,
+                     key=lambda e: (e.get("args", {}).get("op_name", "?"), category(e)))
+    assert by_op["runs"] == steps, by_op["runs"]
     ops = [(op, part, us / 1e3 / steps, n / steps) for (op, part), (us, n) in by_op["ops"].items()]
-    parts = {part: us / 1e3 / steps for part, (us, _) in parts["ops"].items()}
+    parts: dict[str, float] = {}
+    for _, part, ms, _ in ops:  # each part: the sum of its op types
+        parts[part] = parts.get(part, 0.0) + ms
     return wall, parts | {"outside kernels": wall - sum(parts.values())}, ops
 
 
@@ -194,17 +195,18 @@ def op_section(ops: pd.DataFrame, config: str = "ort-int4-g64", top: int = 12) -
 
 def findings(df: pd.DataFrame, ops: pd.DataFrame) -> str:
     """Generated from the rows: ORT int4 against PyTorch fp32 at each batch, and what grows with the batch."""
+    def value(column, config, batch, part=None):
+        sel = df[(df.config == config) & (df.batch_size == batch) & ((df.part == part) if part else True)]
+        return float(sel[column].iloc[0]) if len(sel) else float("nan")
+
     def ms(config, batch, part):
-        sel = df[(df.config == config) & (df.batch_size == batch) & (df.part == part)]
-        return float(sel.ms_per_step.iloc[0]) if len(sel) else float("nan")
+        return value("ms_per_step", config, batch, part)
 
     def wall(config, batch):
-        sel = df[(df.config == config) & (df.batch_size == batch)]
-        return float(sel.step_ms_unprofiled.iloc[0]) if len(sel) else float("nan")
+        return value("step_ms_unprofiled", config, batch)
 
     def profiled(config, batch):
-        sel = df[(df.config == config) & (df.batch_size == batch)]
-        return float(sel.step_ms_profiled.iloc[0]) if len(sel) else float("nan")
+        return value("step_ms_profiled", config, batch)
 
     out, q = [], "ort-int4-g64"
     batches = sorted(df.batch_size.unique())
