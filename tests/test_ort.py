@@ -105,14 +105,22 @@ def test_ort_missing_names_the_extra(tiny_model, tmp_path, monkeypatch):
         ort_backend.export_onnxruntime(model, tmp_path / "m.onnx")
 
 
-def test_a_float_model_exports_as_the_ort_fp32_baseline_and_reloads(tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def float_export(tiny_model_dir, tmp_path_factory):
+    """The tiny float model exported once (each export takes seconds): (model, ids, directory, session, summary)."""
+    model = quantlab.load_model(str(tiny_model_dir), device="cpu")[0]
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    directory = tmp_path_factory.mktemp("float_export")
+    ort_model, summary = ort_backend.export_onnxruntime(model, directory / "model.onnx", ids)
+    return model, ids, directory, ort_model, summary
+
+
+def test_a_float_model_exports_as_the_ort_fp32_baseline_and_reloads(float_export):
     """No QuantLinear: every linear an fp32 MatMul; the exported file reloads with load_ort (same logits)."""
-    model = copy.deepcopy(tiny_model[0])
-    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(2))
-    ort_model, summary = ort_backend.export_onnxruntime(model, tmp_path / "model.onnx", ids)
+    _, ids, directory, ort_model, summary = float_export
     assert summary["backend_kernels"] == "" and summary["backend_note"].startswith("float model")
     assert summary["export_parity_logits_rel_rms"] <= 1e-5
-    assert torch.equal(ort_backend.load_ort(tmp_path)(ids).logits, ort_model(ids).logits)
+    assert torch.equal(ort_backend.load_ort(directory)(ids).logits, ort_model(ids).logits)
 
 
 def test_ort_export_rejects_bad_input(tiny_model, tmp_path):
@@ -161,15 +169,13 @@ def test_ort_runs_that_cannot_export_fail_before_loading(tiny_model_dir, extra, 
                           "run": [{"name": "w4", "method": "rtn", "bits": 4, "backend": "onnxruntime"}]})
 
 
-def test_memprobe_loads_an_exported_graph_in_a_fresh_session(tiny_model, tmp_path):
+def test_memprobe_loads_an_exported_graph_in_a_fresh_session(float_export):
     """The speed report's memory column for ORT rows: a child process loads directory/model.onnx and runs one
     prefill + decode pass; its peak RSS is at least what it held once loaded (reference: its own VmRSS)."""
     from quantlab.eval.memprobe import measure_peak_memory
 
-    model = _quantized_tiny(tiny_model, {"method": "rtn", "bits": 4, "group_size": 32})
-    ort_backend.export_onnxruntime(model, tmp_path / "model.onnx")
-    row = measure_peak_memory({"onnx_dir": str(tmp_path), "batch": 1, "prefill_tokens": 8, "decode_tokens": 2,
-                               "threads": 1})
+    row = measure_peak_memory({"onnx_dir": str(float_export[2]), "batch": 1, "prefill_tokens": 8,
+                               "decode_tokens": 2, "threads": 1})
     assert row["backend"] == "onnxruntime" and row["decode_tokens"] == 2
     assert row["peak_rss_mib"] >= row["loaded_rss_mib"] > 0
 
@@ -288,19 +294,17 @@ def test_grouped_attention_is_eager_attention_without_repeating_the_cache(q_head
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
-def test_the_exported_graph_copies_no_kv_cache_per_layer(tiny_model, tmp_path):
+def test_the_exported_graph_copies_no_kv_cache_per_layer(float_export, tiny_model):
     """No Expand in the exported graph takes the KV cache (transformers' own attention repeats each layer's cache
     for its query heads: the updated cache's Concat -> Unsqueeze -> Expand), its logits still match the model, and
     the model keeps its own attention afterwards."""
     import onnx
 
-    model = copy.deepcopy(tiny_model[0])
+    model, _, directory, _, summary = float_export
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # the tiny model is GQA
-    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
-    _, summary = ort_backend.export_onnxruntime(model, tmp_path / "model.onnx", ids)
     assert summary["export_parity_ok"] and summary["export_parity_logits_rel_rms"] <= 1e-5
     assert model.config._attn_implementation == tiny_model[0].config._attn_implementation
-    graph = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False).graph
+    graph = onnx.load(str(directory / "model.onnx"), load_external_data=False).graph
     producer = {out: n for n in graph.node for out in n.output}
     caches = {o.name for o in graph.output if o.name.startswith("present_")}
 
