@@ -312,9 +312,21 @@ def _block_output(model, index: int, windows: torch.Tensor) -> torch.Tensor:
     return out[0]
 
 
+@pytest.fixture(scope="module")
+def transformers_gguf_config():
+    """transformers' own config of the GGUF, read once: its reader decodes the whole 262k-token vocabulary in the
+    header (~17 s here), and both the logits and the header-alone tests compare against it."""
+    from ci_policy import require_model
+    from transformers import AutoConfig
+
+    require_model(ALIAS)
+    path = loading.alias_gguf_path(ALIAS)
+    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+
+
 @pytest.mark.slow
 @pytest.mark.needs_model(ALIAS)
-def test_gemma3_logits_equal_the_plain_transformers_gguf_load(gemma):
+def test_gemma3_logits_equal_the_plain_transformers_gguf_load(gemma, transformers_gguf_config):
     """Reference: transformers' own load of the GGUF (from_pretrained(dir, gguf_file=...)), fp32, atol 1e-5; the
     converted config keeps every field the forward reads."""
     from transformers import AutoModelForCausalLM
@@ -323,7 +335,8 @@ def test_gemma3_logits_equal_the_plain_transformers_gguf_load(gemma):
     assert ids[0, 0] == tok.bos_token_id == 2
     assert model.config.model_type == "gemma3_text" and loading.model_info(model)["params"] == GEMMA3_PARAMS
     gguf = loading.alias_gguf_path(ALIAS)
-    plain = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    plain = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                 config=copy.deepcopy(transformers_gguf_config)).eval()
     for key in ("layer_types", "sliding_window", "rope_parameters", "query_pre_attn_scalar", "rms_norm_eps", "head_dim",
                 "hidden_activation", "attn_logit_softcapping", "final_logit_softcapping", "tie_word_embeddings",
                 "num_key_value_heads", "vocab_size"):
@@ -378,12 +391,11 @@ def test_gemma3_gptq_beats_rtn_at_w4_g64(gemma, wikitext_dir):
 
 @pytest.mark.slow
 @pytest.mark.needs_model(ALIAS)
-def test_gemma3_config_and_estimate_from_the_gguf_header_alone(tmp_path, monkeypatch):
+def test_gemma3_config_and_estimate_from_the_gguf_header_alone(tmp_path, monkeypatch, transformers_gguf_config):
     """With an empty cache: the config comes from the first chunk's GGUF header (nothing assembled, converted or
     written); reference: transformers' own GGUF config reader, and the converted checkpoint's config.json."""
     import gguf as gguf_package
     from ci_policy import require_model
-    from transformers import AutoConfig
 
     from quantlab.eval.estimate import estimate_memory
 
@@ -405,8 +417,7 @@ def test_gemma3_config_and_estimate_from_the_gguf_header_alone(tmp_path, monkeyp
     # 15 sliding-window layers cache 512 tokens, 3 global ones 2048; 1 KV head of 256, fp32, batch 2
     assert est.kv_cache_bytes == (15 * 512 + 3 * 2048) * 2 * 256 * 2 * 4
     monkeypatch.undo()
-    path = loading.alias_gguf_path(ALIAS)
-    hf = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
+    hf = transformers_gguf_config.to_dict()
     ours = loading.load_model_config(ALIAS, tmp_path).to_dict()
     assert {k: v for k, v in ours.items() if k != "_name_or_path"} == {k: v for k, v in hf.items() if k != "_name_or_path"}
 
