@@ -193,11 +193,12 @@ def test_smollm2_estimate_reads_only_the_gguf_metadata(tmp_path, monkeypatch):
 @pytest.mark.needs_model("smollm2-135m")
 @pytest.mark.parametrize("name,spec", [
     ("fp32", None),
-    ("int8", {"method": "rtn", "bits": 8}),
     ("int4", {"method": "rtn", "bits": 4, "group_size": 64, "symmetric": False}),
 ])
 def test_smollm2_estimate_within_15_percent_of_measured_peak(name, spec, tmp_path):
-    """The issue's bar: the estimate lands within 15% of the measured peak RSS on CPU (fresh subprocess)."""
+    """The issue's bar: the estimate lands within 15% of the measured peak RSS on CPU (fresh subprocess). int8 is
+    measured only in reports/smollm2_speed.csv (each of its rows is held to the same bar above, 23 s saved here):
+    int4 is the layout with the most terms (bf16 model, packed codes, zero points)."""
     from quantlab.backends.serialize import save_quantized
     from quantlab.eval.memprobe import measure_peak_memory
 
