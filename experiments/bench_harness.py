@@ -12,9 +12,14 @@ configuration once; the median round counts):
 - `harness-aten-b<B>`: the same with gemm = "aten" (PyTorch's BLAS, what the plain loop uses): the two rows split
   the gain between batching / the chunked loss and the GEMM library;
 - `sim-w4g64-hf-loop`: the plain loop on a simulated RTN w4 g64 model (each forward dequantizes every weight);
-- `sim-w4g64-harness-b<B>`: the harness on that model (each weight dequantized once per evaluation).
-Every configuration's NLL is checked against the hf-loop's on the same model (rel 1e-5) before any time counts.
-Writes reports/bench_harness.csv (one row per configuration, with the CPU it ran on).
+- `sim-w4g64-harness-b<B>`: the harness on that model (each weight dequantized once per evaluation);
+- `bf16-hf-loop`, `bf16-harness-b<B>`: the fp32 model cast to bfloat16 (what `dtype = "bfloat16"` loads), plain loop
+  and harness (logits upcast to fp32 for the loss): fast only where the CPU computes bf16 natively (AVX512_BF16 /
+  AMX), about 10x slower than fp32 where it does not (AVX2); `--no-bf16` leaves them out.
+Every fp32 and simulated configuration's NLL is checked against the hf-loop's on the same model (rel 1e-5) before
+any time counts; a bf16 row is not gated, its NLL's relative difference from the fp32 loop's is a column
+(`nll_rel_diff_vs_fp32`). Writes reports/bench_harness.csv (one row per configuration, with the CPU it ran on; --out
+names another file, one per CPU kind) and its Markdown beside it (the table and the summary, from the rows).
 """
 from __future__ import annotations
 
@@ -31,12 +36,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.smollm2_speed import cpu_facts
+from experiments.smollm2_speed import _load_average, cpu_facts
 from quantlab.core.lifecycle import quantize
 from quantlab.core.registry import make_config
 from quantlab.eval.perplexity import perplexity
 from quantlab.models.data import eval_windows, load_token_ids
 from quantlab.models.loading import load_model
+from quantlab.reporting.report import markdown_table
 from quantlab.runs.envinfo import environment
 
 MODEL = "smollm2-135m"
@@ -62,9 +68,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench_harness.csv"))
+    ap.add_argument("--no-bf16", action="store_true", help="leave out the bfloat16 rows")
     args = ap.parse_args(argv)
     n, seq_len, rounds, batches = (2, 128, 1, (1, 2)) if args.smoke else (6, 512, args.rounds, (1, 2, 3, 6))
     torch.set_num_threads(args.threads)
+    load_start = _load_average()
     model, tok = load_model(MODEL, "float32", "cpu")
     ids, _ = load_token_ids("wikitext2", "test", tok)
     windows = eval_windows(ids, seq_len, n)
@@ -75,8 +83,14 @@ def main(argv=None) -> int:
     configs |= {f"harness-aten-b{b}": (lambda b=b: harness(model, windows, b, "aten")) for b in batches[-2:]}
     configs["sim-w4g64-hf-loop"] = lambda: hf_loop(sim, windows)
     configs |= {f"sim-w4g64-harness-b{b}": (lambda b=b: harness(sim, windows, b)) for b in batches}
+    if not args.no_bf16:
+        bf16 = copy.deepcopy(model).to(torch.bfloat16)
+        configs["bf16-hf-loop"] = lambda: hf_loop(bf16, windows)
+        configs |= {f"bf16-harness-b{b}": (lambda b=b: harness(bf16, windows, b)) for b in (batches[0], batches[-1])}
     nll = {name: fn() for name, fn in configs.items()}  # warm-up, and the correctness gate
     for name, value in nll.items():
+        if name.startswith("bf16"):
+            continue  # not gated: its difference from fp32 is reported
         ref = nll["sim-w4g64-hf-loop" if name.startswith("sim") else "hf-loop"]
         if abs(value - ref) > 1e-5 * abs(ref):
             raise SystemExit(f"{name}: NLL {value} differs from the plain loop's {ref}")
@@ -89,27 +103,53 @@ def main(argv=None) -> int:
     tokens = windows.numel()
     base = statistics.median(seconds["hf-loop"])
     sim_base = statistics.median(seconds["sim-w4g64-hf-loop"])
-    env = environment(torch.device("cpu")) | cpu_facts() | {"threads": args.threads}
+    own_loop = {"sim": sim_base, "bf16": statistics.median(seconds["bf16-hf-loop"]) if "bf16-hf-loop" in seconds else None}
+    env = environment(torch.device("cpu")) | cpu_facts() | {"threads": args.threads, "load_avg_start": load_start,
+                                                             "load_avg_end": _load_average()}
     rows = []
     for name, times in seconds.items():
         s = statistics.median(times)
         rows.append({"config": name, "windows": n, "seq_len": seq_len, "rounds": rounds, "seconds_median": s,
                      "seconds_all": " ".join(f"{t:.3f}" for t in times), "tokens_per_s": tokens / s,
                      "speedup_vs_hf_loop_fp32": base / s,
-                     "speedup_vs_same_model_hf_loop": (sim_base if name.startswith("sim") else base) / s,
-                     "nll_total": nll[name], **env})
+                     "speedup_vs_same_model_hf_loop": (own_loop.get(name.split("-")[0]) or base) / s,
+                     "nll_total": nll[name], "nll_rel_diff_vs_fp32": nll[name] / nll["hf-loop"] - 1, **env})
     df = pd.DataFrame(rows)
     best_fp32 = df[df.config.str.startswith("harness-b")].seconds_median.min()
     best_aten = df[df.config.str.startswith("harness-aten")].seconds_median.min()
     best_sim = df[df.config.str.startswith("sim-w4g64-harness")].seconds_median.min()
+    bf16_rows = df[df.config.str.startswith("bf16-harness")]
+    best_bf16 = bf16_rows.seconds_median.min() if len(bf16_rows) else None
+    bf16_diff = bf16_rows.nll_rel_diff_vs_fp32[bf16_rows.seconds_median.idxmin()] if len(bf16_rows) else None
+    summary = (f"best harness vs HF loop (fp32): {base / best_fp32:.2f}x (with PyTorch's BLAS: {base / best_aten:.2f}x); "
+               f"simulated w4 g64 / fp32 (best harness each): {best_sim / best_fp32:.3f}x; plain loop simulated / fp32: "
+               f"{sim_base / base:.3f}x"
+               + (f"; best bf16 harness vs HF loop (fp32): {base / best_bf16:.2f}x, its NLL {bf16_diff:+.2e} relative to "
+                  "fp32's" if best_bf16 else "")
+               + f" [{env['cpu_model']}, AVX-512: {env['cpu_avx512'] != 'none'}, AMX: {env['cpu_amx'] != 'none'}, "
+               f"{args.threads} threads]")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(out, index=False)
+    out.with_suffix(".md").write_text(_markdown(df, summary, out.name))
     print(df[["config", "seconds_median", "tokens_per_s", "speedup_vs_hf_loop_fp32"]].to_string(index=False))
-    print(f"best harness vs HF loop (fp32): {base / best_fp32:.2f}x (with PyTorch's BLAS: {base / best_aten:.2f}x); simulated w4 g64 / fp32 (best harness each): "
-          f"{best_sim / best_fp32:.3f}x; plain loop simulated / fp32: {sim_base / base:.3f}x "
-          f"[{env['cpu_model']}, avx512: {env['cpu_avx512'] != 'none'}, {args.threads} threads] -> {out}")
+    print(f"{summary} -> {out}")
     return 0
+
+
+COLUMNS = [("config", "config", "{}"), ("seconds_median", "s (median)", "{:.3f}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
+           ("speedup_vs_hf_loop_fp32", "x fp32 HF loop", "{:.2f}"),
+           ("speedup_vs_same_model_hf_loop", "x same model's loop", "{:.2f}"),
+           ("nll_rel_diff_vs_fp32", "NLL rel. diff vs fp32", "{:+.1e}")]
+
+
+def _markdown(df: pd.DataFrame, summary: str, csv_name: str) -> str:
+    r = df.iloc[0]
+    return (f"# The perplexity harness against a plain Hugging Face loop\n\n*Generated by `experiments/bench_harness.py` "
+            f"from `{csv_name}`.* SmolLM2-135M, {r.windows} WikiText-2 test windows of {r.seq_len} tokens, median of "
+            f"{r.rounds} interleaved rounds, {r.threads} thread(s). CPU `{r.cpu_model}` ({r.logical_cpus} logical CPUs; "
+            f"SIMD {r.cpu_simd}; AVX-512 {r.cpu_avx512}; AMX {r.cpu_amx}); load average (1 min) {r.load_avg_start:.2f} "
+            f"at start, {r.load_avg_end:.2f} at end.\n\n{markdown_table(df, COLUMNS)}\n\n{summary}.\n")
 
 
 if __name__ == "__main__":
