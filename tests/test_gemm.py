@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from quantlab.eval import gemm
 from quantlab.eval.gemm import onednn_available, onednn_linear, resolve_gemm
 from quantlab.eval.perplexity import perplexity
 
@@ -39,3 +40,18 @@ def test_unknown_gemm_is_named():
     with pytest.raises(ValueError, match="gemm 'mkl' unknown; known: auto, aten, onednn"):
         resolve_gemm("mkl", torch.device("cpu"))
     assert resolve_gemm("auto", torch.device("cuda")) == "aten"
+
+
+@pytest.mark.parametrize("vendor, expected", [("AuthenticAMD", "onednn"), ("GenuineIntel", "aten"), ("", "aten")])
+def test_auto_takes_onednn_on_amd_cpus_only(monkeypatch, vendor, expected):
+    monkeypatch.setattr(gemm, "cpu_vendor", lambda: vendor)
+    assert resolve_gemm("auto", torch.device("cpu")) == expected
+    assert resolve_gemm("auto", torch.device("cuda")) == "aten"
+    assert resolve_gemm("onednn", torch.device("cpu")) == "onednn"  # asked for by name: taken on any vendor
+
+
+def test_cpu_vendor_reads_this_machines_cpuinfo():
+    from pathlib import Path
+    info = Path("/proc/cpuinfo")
+    lines = [ln for ln in info.read_text().splitlines() if ln.startswith("vendor_id")] if info.exists() else []
+    assert gemm.cpu_vendor() == (lines[0].split(":", 1)[1].strip() if lines else "")

@@ -7,12 +7,19 @@ Evaluation passes (perplexity, reference log-probs) run inside `onednn_linear()`
 linear while they run, for float32 CPU tensors without grad; everything else (bf16, CUDA, training) takes the usual
 path. Results differ from MKL's only by summation order (relative ~1e-7 on a layer's output).
 
+gemm "auto" takes oneDNN on AMD CPUs only, where MKL runs below rate (reports/bench_harness.csv: the harness 1.63x the
+plain loop through oneDNN, 0.95x through MKL). On an Intel Xeon (AVX-512 + AMX) MKL is at rate and oneDNN gains
+nothing (reports/bench_harness_xeon_amx.csv: 0.98-1.02x through oneDNN, 1.02-1.07x through MKL), so "auto" keeps
+PyTorch's BLAS there and on every other vendor.
+
     with onednn_linear():
         logits = model(ids).logits
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -36,12 +43,28 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return _aten_linear(x, weight, bias)
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor id from /proc/cpuinfo ("AuthenticAMD", "GenuineIntel"), "" where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
 def resolve_gemm(gemm: str, device: torch.device) -> str:
-    """auto: oneDNN on CPU where this torch has it, else aten (CUDA, MPS)."""
+    """auto: oneDNN on an AMD CPU where this torch has it (MKL is below rate there), else aten (Intel, other CPUs,
+    CUDA, MPS)."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm {gemm!r} unknown; known: {', '.join(GEMMS)}")
     if gemm == "auto":
-        return "onednn" if device.type == "cpu" and onednn_available() else "aten"
+        amd = cpu_vendor() == "AuthenticAMD"
+        return "onednn" if device.type == "cpu" and amd and onednn_available() else "aten"
     if gemm == "onednn" and not onednn_available():
         raise ValueError("gemm 'onednn': this torch has no oneDNN (mkldnn) linear; use 'aten'")
     return gemm

@@ -223,7 +223,7 @@ def run_lm_eval(model, tokenizer, tasks: list[str], limit: int | None = None, ma
 
     As quantlab's own perplexity pass: each quantized weight is dequantized once for the whole evaluation
     (cached_weights: bitwise the same forward), and gemm "auto" runs fp32 CPU linears through oneDNN
-    (eval/gemm.py; "aten" keeps PyTorch's BLAS)."""
+    on an AMD CPU (eval/gemm.py; "aten" keeps PyTorch's BLAS, as "auto" does elsewhere)."""
     from importlib.metadata import version
 
     gemm = resolve_gemm(gemm, next(model.parameters()).device)

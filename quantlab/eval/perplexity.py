@@ -262,7 +262,8 @@ def perplexity(model, windows: torch.Tensor, reference: list[torch.Tensor] | nn.
     model itself, run on each of the first `kl_windows` windows (default: all) right before `model` (adds
     'kl_reference_s', the seconds spent in it). KL(P_ref || P_model) is averaged over every position of those
     windows. batch_size: windows per forward (None: chosen from free memory, auto_batch_size). gemm: "auto"
-    (oneDNN for fp32 linears on CPU, eval/gemm.py), "onednn" or "aten" (PyTorch's BLAS); the result has 'eval_gemm'.
+    (oneDNN for fp32 linears on an AMD CPU, else PyTorch's BLAS; eval/gemm.py), "onednn" or "aten" (PyTorch's
+    BLAS); the result has 'eval_gemm'.
 
     >>> perplexity(quantized, windows, float_model, kl_windows=8)["kl_mean"]
     """
