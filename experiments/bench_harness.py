@@ -8,14 +8,16 @@ configuration once; the median round counts):
 - `hf-loop`: `model(ids, labels=ids)` one window at a time, the loss the naive way (full logits, upcast,
   cross-entropy), on the fp32 model; the baseline of every ratio;
 - `harness-b<B>`: quantlab.perplexity with B windows per forward and the chunked loss, fp32 model, its default GEMM
-  (gemm = "auto": oneDNN's linear on CPU, quantlab/eval/gemm.py);
-- `harness-aten-b<B>`: the same with gemm = "aten" (PyTorch's BLAS, what the plain loop uses): the two rows split
-  the gain between batching / the chunked loss and the GEMM library;
+  (gemm = "auto": oneDNN's linear on an AMD CPU, PyTorch's BLAS elsewhere, quantlab/eval/gemm.py);
+- `harness-aten-b<B>`, `harness-onednn-b<B>`: the same with each GEMM named (aten: PyTorch's BLAS, what the plain
+  loop uses): the rows split the gain between batching / the chunked loss and the GEMM library, on any CPU;
 - `sim-w4g64-hf-loop`: the plain loop on a simulated RTN w4 g64 model (each forward dequantizes every weight);
 - `sim-w4g64-harness-b<B>`: the harness on that model (each weight dequantized once per evaluation);
 - `bf16-hf-loop`, `bf16-harness-b<B>`: the fp32 model cast to bfloat16 (what `dtype = "bfloat16"` loads), plain loop
-  and harness (logits upcast to fp32 for the loss): fast only where the CPU computes bf16 natively (AVX512_BF16 /
-  AMX), about 10x slower than fp32 where it does not (AVX2); `--no-bf16` leaves them out.
+  and harness (logits upcast to fp32 for the loss), and `bf16-autocast-harness-b<B>`: the fp32 model evaluated
+  under bf16 autocast (`[eval] dtype = "bfloat16"`, perplexity(dtype="bfloat16")): fast only where the CPU computes
+  bf16 natively (AVX512_BF16 / AMX), about 10x slower than fp32 where it does not (AVX2); `--no-bf16` leaves them
+  out.
 Every fp32 and simulated configuration's NLL is checked against the hf-loop's on the same model (rel 1e-5) before
 any time counts; a bf16 row is not gated, its NLL's relative difference from the fp32 loop's is a column
 (`nll_rel_diff_vs_fp32`). Writes reports/bench_harness.csv (one row per configuration, with the CPU it ran on; --out
@@ -39,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from experiments.smollm2_speed import _load_average, cpu_facts
 from quantlab.core.lifecycle import quantize
 from quantlab.core.registry import make_config
+from quantlab.eval.gemm import onednn_available, resolve_gemm
 from quantlab.eval.perplexity import perplexity
 from quantlab.models.data import eval_windows, load_token_ids
 from quantlab.models.loading import load_model
@@ -58,8 +61,8 @@ def hf_loop(model, windows: torch.Tensor) -> float:
     return total
 
 
-def harness(model, windows: torch.Tensor, batch: int, gemm: str = "auto") -> float:
-    return sum(perplexity(model, windows, progress=False, batch_size=batch, gemm=gemm)["window_nll"])
+def harness(model, windows: torch.Tensor, batch: int, gemm: str = "auto", dtype: str | None = None) -> float:
+    return sum(perplexity(model, windows, progress=False, batch_size=batch, gemm=gemm, dtype=dtype)["window_nll"])
 
 
 def main(argv=None) -> int:
@@ -81,12 +84,16 @@ def main(argv=None) -> int:
     configs = {"hf-loop": lambda: hf_loop(model, windows)}
     configs |= {f"harness-b{b}": (lambda b=b: harness(model, windows, b)) for b in batches}
     configs |= {f"harness-aten-b{b}": (lambda b=b: harness(model, windows, b, "aten")) for b in batches[-2:]}
+    if onednn_available():
+        configs |= {f"harness-onednn-b{b}": (lambda b=b: harness(model, windows, b, "onednn")) for b in batches[-2:]}
     configs["sim-w4g64-hf-loop"] = lambda: hf_loop(sim, windows)
     configs |= {f"sim-w4g64-harness-b{b}": (lambda b=b: harness(sim, windows, b)) for b in batches}
     if not args.no_bf16:
         bf16 = copy.deepcopy(model).to(torch.bfloat16)
         configs["bf16-hf-loop"] = lambda: hf_loop(bf16, windows)
         configs |= {f"bf16-harness-b{b}": (lambda b=b: harness(bf16, windows, b)) for b in (batches[0], batches[-1])}
+        configs |= {f"bf16-autocast-harness-b{b}": (lambda b=b: harness(model, windows, b, dtype="bfloat16"))
+                    for b in (batches[0], batches[-1])}
     nll = {name: fn() for name, fn in configs.items()}  # warm-up, and the correctness gate
     for name, value in nll.items():
         if name.startswith("bf16"):
@@ -117,15 +124,22 @@ def main(argv=None) -> int:
     df = pd.DataFrame(rows)
     best_fp32 = df[df.config.str.startswith("harness-b")].seconds_median.min()
     best_aten = df[df.config.str.startswith("harness-aten")].seconds_median.min()
+    best_onednn = df[df.config.str.startswith("harness-onednn")].seconds_median.min()
     best_sim = df[df.config.str.startswith("sim-w4g64-harness")].seconds_median.min()
     bf16_rows = df[df.config.str.startswith("bf16-harness")]
     best_bf16 = bf16_rows.seconds_median.min() if len(bf16_rows) else None
     bf16_diff = bf16_rows.nll_rel_diff_vs_fp32[bf16_rows.seconds_median.idxmin()] if len(bf16_rows) else None
-    summary = (f"best harness vs HF loop (fp32): {base / best_fp32:.2f}x (with PyTorch's BLAS: {base / best_aten:.2f}x); "
+    amp_rows = df[df.config.str.startswith("bf16-autocast-harness")]
+    amp = amp_rows.loc[amp_rows.seconds_median.idxmin()] if len(amp_rows) else None
+    summary = (f"best harness vs HF loop (fp32): {base / best_fp32:.2f}x (gemm auto = "
+               f"{resolve_gemm('auto', torch.device('cpu'))}; PyTorch's BLAS: {base / best_aten:.2f}x, oneDNN: "
+               f"{base / best_onednn:.2f}x); "
                f"simulated w4 g64 / fp32 (best harness each): {best_sim / best_fp32:.3f}x; plain loop simulated / fp32: "
                f"{sim_base / base:.3f}x"
                + (f"; best bf16 harness vs HF loop (fp32): {base / best_bf16:.2f}x, its NLL {bf16_diff:+.2e} relative to "
                   "fp32's" if best_bf16 else "")
+               + (f"; bf16 autocast ([eval] dtype = \"bfloat16\", the model left in fp32): "
+                  f"{base / amp.seconds_median:.2f}x, NLL {amp.nll_rel_diff_vs_fp32:+.2e}" if amp is not None else "")
                + f" [{env['cpu_model']}, AVX-512: {env['cpu_avx512'] != 'none'}, AMX: {env['cpu_amx'] != 'none'}, "
                f"{args.threads} threads]")
     out = Path(args.out)

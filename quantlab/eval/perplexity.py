@@ -25,6 +25,7 @@ per-token values kept are KL windows x seq_len float64 numbers, nothing of vocab
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -37,6 +38,18 @@ from .gemm import onednn_linear, resolve_gemm
 
 # what result rows say about the KL reference when it is the model run on the fly
 KL_REFERENCE_ON_THE_FLY = "float model run on each KL window just before the evaluated model (exact, nothing stored)"
+EVAL_DTYPES = ("float32", "bfloat16")  # perplexity(dtype=...), [eval] dtype
+
+
+def check_eval_dtype(dtype: str | None, gemm: str = "auto") -> bool:
+    """True when `dtype` asks for bf16 autocast; a clear error for an unknown dtype or an fp32-only GEMM."""
+    if dtype is not None and dtype not in EVAL_DTYPES:
+        raise ValueError(f"eval dtype {dtype!r} unknown; known: {', '.join(EVAL_DTYPES)}")
+    if dtype == "bfloat16" and gemm == "onednn":
+        raise ValueError("gemm 'onednn' routes float32 linears only; with dtype 'bfloat16' use gemm 'auto' or 'aten'")
+    return dtype == "bfloat16"
+
+
 LOSS_CHUNK = 128  # positions per output-head chunk: B x 128 x V fp32 logits alive at a time
 MAX_AUTO_BATCH = 8
 
@@ -253,7 +266,7 @@ def _sync(model) -> None:
 @torch.inference_mode()
 def perplexity(model, windows: torch.Tensor, reference: list[torch.Tensor] | nn.Module | None = None,
                progress: bool = True, kl_windows: int | None = None, batch_size: int | None = None,
-               chunk: int = LOSS_CHUNK, gemm: str = "auto") -> dict:
+               chunk: int = LOSS_CHUNK, gemm: str = "auto", dtype: str | None = None) -> dict:
     """{'ppl', 'nll_mean', 'predicted_tokens', 'window_nll', 'eval_batch_size', and with a reference: 'kl_mean',
     'top1_agree', 'kl_tokens' and llama.cpp's per-token statistics (kl_token_stats: 'kld_mean_se', 'kld_median',
     'kld_p99', 'kld_max', 'rms_dp', 'rms_dp_se', 'same_top_pct', 'same_top_pct_se')}.
@@ -263,10 +276,14 @@ def perplexity(model, windows: torch.Tensor, reference: list[torch.Tensor] | nn.
     'kl_reference_s', the seconds spent in it). KL(P_ref || P_model) is averaged over every position of those
     windows. batch_size: windows per forward (None: chosen from free memory, auto_batch_size). gemm: "auto"
     (oneDNN for fp32 linears on an AMD CPU, else PyTorch's BLAS; eval/gemm.py), "onednn" or "aten" (PyTorch's
-    BLAS); the result has 'eval_gemm'.
+    BLAS); the result has 'eval_gemm'. dtype: None or "float32" computes in the models' own dtype; "bfloat16" runs
+    both models' forwards under torch.autocast (matmuls in bf16, weights and norms left as they are, logits upcast to
+    fp32 for the loss): faster where the CPU computes bf16 natively (AVX512_BF16 / AMX), with the result's
+    'eval_dtype' saying so; its linears take PyTorch's BLAS (oneDNN's fp32 route would bypass autocast).
 
     >>> perplexity(quantized, windows, float_model, kl_windows=8)["kl_mean"]
     """
+    autocast = check_eval_dtype(dtype, gemm)
     model.eval()
     k = _kl_count(reference, kl_windows, len(windows))
     ref_model = reference if isinstance(reference, nn.Module) else None
@@ -279,8 +296,9 @@ def perplexity(model, windows: torch.Tensor, reference: list[torch.Tensor] | nn.
     window_nll, kl_sum, agree, kl_tokens, reference_s = [], 0.0, 0, 0, 0.0
     per_token = {"token_kl": [], "same_top": [], "p_diff": []}  # kl_token_stats' inputs, one part per batch
     bar = tqdm(total=len(windows), desc="perplexity", leave=False, disable=not progress)
-    gemm = resolve_gemm(gemm, _device(model))
-    with cached_weights(model), onednn_linear(gemm == "onednn"):  # each quantized weight dequantized once
+    gemm = "aten" if autocast else resolve_gemm(gemm, _device(model))
+    amp = torch.autocast(_device(model).type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with cached_weights(model), onednn_linear(gemm == "onednn"), amp:  # each quantized weight dequantized once
         for i in range(0, len(windows), batch_size):
             ids = windows[i:i + batch_size]
             n_kl = max(0, min(k - i, len(ids)))
@@ -304,7 +322,7 @@ def perplexity(model, windows: torch.Tensor, reference: list[torch.Tensor] | nn.
     predicted = windows.shape[0] * (windows.shape[1] - 1)
     nll_mean = sum(window_nll) / predicted
     out = {"ppl": math.exp(nll_mean), "nll_mean": nll_mean, "predicted_tokens": predicted, "window_nll": window_nll,
-           "eval_batch_size": batch_size, "eval_gemm": gemm}
+           "eval_batch_size": batch_size, "eval_gemm": gemm, **({"eval_dtype": "bfloat16"} if autocast else {})}
     if k:
         out.update(kl_mean=kl_sum / kl_tokens, top1_agree=agree / kl_tokens, kl_tokens=kl_tokens)
         out.update(kl_token_stats(*(torch.cat([p.reshape(-1) for p in per_token[key]])

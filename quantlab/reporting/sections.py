@@ -46,6 +46,11 @@ def protocol_text(df: pd.DataFrame) -> str:
     if r.get("kl_tokens"):
         text += f" KL(baseline ‖ run) and top-1 agreement over the first {int(r['kl_tokens'])} tokens"
         text += f" (reference: {r['kl_reference']})." if isinstance(r.get("kl_reference"), str) else "."
+    if isinstance(r.get("eval_dtype"), str):
+        a, b, d = r["eval_dtype_float_ppl_float32"], r["eval_dtype_float_ppl"], r["eval_dtype"]
+        text += (f" Perplexity and KL computed in {d} (torch.autocast; latency in float32): on these windows the "
+                 f"float model's perplexity is {b:.4f} in {d} against {a:.4f} in float32 ({(b / a - 1) * 100:+.3f}%), "
+                 "the shift the evaluation dtype alone makes.")
     if "prefill_tokens" in df and pd.notna(r.get("prefill_tokens")):
         text += (f" Latency: prefill {int(r['prefill_tokens'])} tokens, greedy decode {int(r['decode_tokens'])} "
                  f"tokens, batch {int(r['batch_size'])}, median of {int(r['latency_repeats'])} repeats after warm-up."

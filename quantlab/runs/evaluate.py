@@ -140,6 +140,25 @@ class EvalContext:
                 self.domains[domain_label(d)] = (windows, source)
         self._reference_state = self._model_state()
         self._calib, self._calib_ids, self.calib_sources = {}, {}, {}
+        self._dtype_shift = None
+
+    @property
+    def eval_dtype(self) -> str | None:
+        """[eval] dtype for perplexity(): None for float32 (the model's own dtype)."""
+        return None if self.exp.eval.dtype == "float32" else self.exp.eval.dtype
+
+    def eval_dtype_fields(self) -> dict:
+        """[eval] dtype other than float32: the float model's perplexity on the main windows in float32 and in that
+        dtype, measured once per experiment, so every row states what the evaluation dtype alone moves."""
+        if self.eval_dtype is None:
+            return {}
+        if self._dtype_shift is None:
+            model = self.kl_model if self.kl_model is not None else self.model
+            fp32 = perplexity(model, self.windows, progress=self.progress)["ppl"]
+            low = perplexity(model, self.windows, progress=self.progress, dtype=self.eval_dtype)["ppl"]
+            self._dtype_shift = {"eval_dtype": self.eval_dtype, "eval_dtype_float_ppl_float32": fp32,
+                                 "eval_dtype_float_ppl": low}
+        return self._dtype_shift
 
     def _model_state(self) -> tuple:
         """In-place changes bump a tensor's version: the float model (the KL reference) must stay as loaded."""
@@ -185,7 +204,8 @@ def _domain_metrics(ctx: EvalContext, model, main: dict) -> dict:
             ppl = main
         else:
             kl = min(ctx.exp.eval.kl_windows, len(windows)) if ctx.kl_model is not None else 0
-            ppl = perplexity(model, windows, ctx.kl_model if kl else None, ctx.progress, kl_windows=kl if kl else None)
+            ppl = perplexity(model, windows, ctx.kl_model if kl else None, ctx.progress, kl_windows=kl if kl else None,
+                             dtype=ctx.eval_dtype)
             reference_s += ppl.get("kl_reference_s") or 0.0
         out.update({f"ppl_{label}": ppl["ppl"], f"nll_mean_{label}": ppl["nll_mean"],
                     f"kl_mean_{label}": ppl.get("kl_mean"), f"top1_agree_{label}": ppl.get("top1_agree"),
@@ -197,7 +217,8 @@ def _domain_metrics(ctx: EvalContext, model, main: dict) -> dict:
 
 def _perplexity_metrics(ctx: EvalContext, model) -> dict:
     reference = ctx.kl_model if ctx.kl_windows else None
-    ppl = perplexity(model, ctx.windows, reference, ctx.progress, kl_windows=ctx.kl_windows if reference else None)
+    ppl = perplexity(model, ctx.windows, reference, ctx.progress, kl_windows=ctx.kl_windows if reference else None,
+                     dtype=ctx.eval_dtype)
     domains = _domain_metrics(ctx, model, ppl) if ctx.domains else {}
     if domains:  # eval_s excludes every domain's reference time
         ppl["kl_reference_s"] = (ppl.get("kl_reference_s") or 0.0) + domains.pop("domains_kl_reference_s")
@@ -335,9 +356,11 @@ def _measure(ctx: EvalContext, run: RunSpec, model, evaluated, is_float: bool) -
     model's paired latency right before the run's own (unless the run is the float model)."""
     exp = ctx.exp
     ctx.check_reference()
+    dtype_shift = ctx.eval_dtype_fields()  # measured once per experiment, outside this run's eval_s
     reset_peak_memory(ctx.device)  # CUDA: the measured phase (evaluation + latency) starts here
     t0 = time.perf_counter()
     row = (_embedding_metrics if exp.eval.metric == "embedding" else _perplexity_metrics)(ctx, evaluated)
+    row.update(dtype_shift)
     row["eval_s"] = time.perf_counter() - t0 - (row.get("kl_reference_s") or 0.0)  # this model's evaluation
     if exp.eval.lm_eval_tasks:  # the model as evaluated above; its time is lmeval_s, not in eval_s
         e = exp.eval

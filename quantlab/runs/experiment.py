@@ -101,7 +101,14 @@ class Experiment:
         if not isinstance(self.findings, str):
             raise ValueError(f"experiment {self.name!r}: findings must be a string (a template), "
                              f"got {type(self.findings).__name__}")
+        if self.eval.dtype != "float32" and self.dtype != "float32":
+            raise ValueError(f"experiment {self.name!r}: eval.dtype = {self.eval.dtype!r} computes a float32 model's "
+                             f"evaluation in {self.eval.dtype}; this model loads as dtype = {self.dtype!r}: drop one")
         for r in self.runs:
+            if self.eval.dtype != "float32" and r.backend != "simulated":
+                raise ValueError(f"experiment {self.name!r}: run {r.name!r} has backend = {r.backend!r}; eval.dtype = "
+                                 f"{self.eval.dtype!r} applies to PyTorch's simulated models only (backend "
+                                 f"\"simulated\", the default)")
             for extra, _ in r.extras:
                 if self.eval.memory == "isolated" and not extra.replayed_in_isolation:
                     raise ValueError(f"experiment {self.name!r}: run {r.name!r} has {extra.key} = {{...}}, which the "

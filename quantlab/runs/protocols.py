@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..eval.perplexity import EVAL_DTYPES
 from ..models.data import check_dataset, domain_label
 from ..util.checks import check_int
 
@@ -49,6 +50,9 @@ class EvalProtocol:
     # the split: a short budget that samples the whole text, e.g. a code domain whose first files are a few)
     windows: str = "first"
     kl_windows: int = 8  # first k eval windows also measure KL / top-1 vs the baseline; 0 = off
+    # "bfloat16": perplexity and KL computed under bf16 autocast (faster where the CPU has AVX512_BF16 / AMX); every
+    # row then states the float model's perplexity in float32 and in bfloat16 on the same windows. Latency stays fp32
+    dtype: str = "float32"
     # "prepend": every window the model reads (evaluation, calibration, QAT training) starts with the tokenizer's
     # BOS, followed by seq_len - 1 text tokens (models trained to always see one, e.g. Gemma); "none": text only
     bos: str = "none"
@@ -86,6 +90,11 @@ class EvalProtocol:
             check_int(f"eval.{name}", getattr(self, name), 1, MAX_SEQ_LEN)
         check_int("eval.latency_repeats", self.latency_repeats, 1, MAX_REPEATS)
         check_int("eval.kl_windows", self.kl_windows, 0, MAX_KL_WINDOWS)
+        if self.dtype not in EVAL_DTYPES:
+            raise ValueError(f"eval.dtype {self.dtype!r} unknown; known: {', '.join(EVAL_DTYPES)}")
+        if self.dtype != "float32" and self.metric != "perplexity":
+            raise ValueError(f"eval.dtype = {self.dtype!r} applies to metric = 'perplexity', got metric "
+                             f"{self.metric!r}")
         if self.windows not in WINDOW_ORDERS:
             raise ValueError(f"eval.windows {self.windows!r} unknown; known: {', '.join(WINDOW_ORDERS)}")
         if self.bos not in BOS_MODES:
