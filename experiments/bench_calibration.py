@@ -15,8 +15,8 @@ separate pass; AutoRound's by its iteration count: counted at 1 and 2 iterations
 FLOPs), the achieved GFLOP/s and its fraction of this machine's F.linear rate on the replays' shapes, measured in the
 same run (quantlab.eval.compute). GPTQ (w4 g64, true_sequential false), AWQ reference and version 1, AutoRound w4 g64
 at 50 iterations (the committed rows) and at the reference's 200.
-Writes reports/bench_calibration.csv (seconds) and reports/bench_calibration_rate.csv (the pace), with the CPU and
-the load average.
+Writes reports/bench_calibration.csv (seconds) and reports/bench_calibration_rate.csv (the pace; --out X.csv writes
+X_rate.csv beside it), with the CPU and the load average.
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     windows = calibration_windows(ids, args.windows, 512, 0)
     calib = [w.unsqueeze(0) for w in windows]
     if args.rate_only:
-        return pace(model, tok, args.blocks, Path(args.out).with_name("bench_calibration_rate.csv"))
+        return pace(model, tok, args.blocks, Path(args.out).with_name(Path(args.out).stem + "_rate.csv"))
     rows = []
 
     def add(name, seconds, note=""):
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(args.out, index=False)
     print(f"-> {args.out} [{env['cpu_model']}, avx512: {env['cpu_avx512'] != 'none'}]")
-    return pace(model, tok, args.blocks, Path(args.out).with_name("bench_calibration_rate.csv"))
+    return pace(model, tok, args.blocks, Path(args.out).with_name(Path(args.out).stem + "_rate.csv"))
 
 
 PACE = {  # name -> (config, FLOPs linear in iters: counted at 1 and 2 iterations)
