@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -50,7 +49,7 @@ from quantlab.runs.bench import (  # noqa: E402
     prepare,
     speed_table,
 )
-from quantlab.runs.envinfo import environment  # noqa: E402
+from quantlab.runs.envinfo import SIMD_FLAGS, cpu_facts, environment  # noqa: E402, F401  (cpu_facts: the scripts beside this one import it from here)
 
 MODEL = "smollm2-135m"
 INT4 = {"method": "rtn", "bits": 4, "group_size": 64, "symmetric": False}
@@ -74,29 +73,6 @@ CONFIGS = [
     BenchConfig("llamacpp-q4_0", {"method": "gguf", "type": "Q4_0"}, backend="llama.cpp"),
     BenchConfig("llamacpp-q4_k_m", {"method": "gguf", "type": "Q4_K_M"}, backend="llama.cpp"),
 ]
-SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni")  # the x86 vector sets below AVX-512
-
-
-def cpu_facts(cpuinfo: str | None = None) -> dict:
-    """What this CPU is, from /proc/cpuinfo (else platform): model, logical CPUs, SIMD (SSE4.2 to AVX-VNNI), AVX-512
-    and AMX flags."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    fields = {}
-    for line in cpuinfo.splitlines():  # the first processor's block is enough: the flags are the same on all
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    flags = set(fields.get("flags", "").split())
-    return {"cpu_model": fields.get("model name") or platform.processor() or platform.machine(),
-            "logical_cpus": os.cpu_count(),
-            "cpu_simd": " ".join(f for f in SIMD_FLAGS if f in flags) or "none",
-            "cpu_avx512": " ".join(sorted(f for f in flags if f.startswith("avx512"))) or "none",
-            "cpu_amx": " ".join(sorted(f for f in flags if f.startswith("amx"))) or "none"}
-
-
 def _load_average() -> float | None:
     try:
         return os.getloadavg()[0]

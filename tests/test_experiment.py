@@ -258,7 +258,13 @@ def test_runner_writes_rows_resumes_and_reports(tiny_model_dir, tmp_path, monkey
             assert row[f"{phase}_speedup"] == pytest.approx(row[f"latency_ref_{col}"] / row[col], rel=1e-9)
     assert (csv["weight_bytes"].iloc[1:] < base["weight_bytes"]).all()
     assert csv.loc[1, "kl_mean"] < csv.loc[2, "kl_mean"]
+    # every row names the CPU its timings ran on and how busy the machine was
+    from quantlab.runs.envinfo import cpu_facts, cpu_isa
+    facts = cpu_facts()
+    assert (csv["cpu_model"] == facts["cpu_model"]).all() and (csv["cpu_isa"] == cpu_isa(facts)).all()
+    assert (csv["load_avg_1m_start"] >= 0).all() and (csv["load_avg_1m_end"] >= 0).all()
     md = (tmp_path / "tiny.md").read_text()
+    assert f"cpu_model `{facts['cpu_model']}`" in md and "load average (1 min) at the runs' starts and ends" in md
     assert "**Protocol.**" in md and "4 non-overlapping windows of seq_len 32" in md and "| w4g32 |" in md
     assert "× speed: the float model's latency measured in the same process just before the row's" in md
 

@@ -30,6 +30,11 @@ def test_cpu_facts_read_model_and_flags():
     assert speed.cpu_facts("model name : Old CPU\nflags : sse2 avx2\n")["cpu_avx512"] == "none"
     here = speed.cpu_facts()
     assert here["logical_cpus"] >= 1 and here["cpu_model"]
+    from quantlab.runs.envinfo import cpu_isa
+    assert cpu_isa(facts) == "amx" and cpu_isa(speed.cpu_facts("model name : EPYC\nflags : sse2 avx avx2 fma f16c\n")) \
+        == "avx2"
+    assert cpu_isa(speed.cpu_facts("model name : Old CPU\nflags : sse2\n")) == "none"
+    assert cpu_isa(speed.cpu_facts("model name : Zen 4\nflags : avx2 avx512f\n")) == "avx512"
 
 
 def test_report_text_is_measured_facts_only():

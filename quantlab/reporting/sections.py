@@ -96,8 +96,8 @@ def _calibration_text(df: pd.DataFrame) -> str:
     return text
 
 def environment_text(df: pd.DataFrame) -> str:
-    keys = ["model", "dtype", "seed", "device_name", "cpu_threads", "torch", "transformers", "torchao", "quantlab",
-            "python", "git_sha"]
+    keys = ["model", "dtype", "seed", "device_name", "cpu_model", "cpu_isa", "cpu_threads", "torch", "transformers",
+            "torchao", "quantlab", "python", "git_sha"]
     parts = []
     for k in (k for k in keys if k in df.columns):
         values = list(dict.fromkeys(str(v) for v in df[k] if v is not None and v == v))
@@ -105,6 +105,9 @@ def environment_text(df: pd.DataFrame) -> str:
             values = [str(int(float(v))) for v in values]
         if values:
             parts.append(f"{k} " + ", ".join(f"`{v}`" for v in values))
+    if "load_avg_1m_start" in df.columns and df["load_avg_1m_start"].notna().any():
+        loads = pd.concat([df["load_avg_1m_start"], df["load_avg_1m_end"]]).dropna()
+        parts.append(f"load average (1 min) at the runs' starts and ends {loads.min():.2f} to {loads.max():.2f}")
     return "**Environment.** " + ", ".join(parts)
 
 def backend_text(df: pd.DataFrame) -> str:

@@ -47,6 +47,7 @@ from ..models.data import (
 from ..models.loading import default_cache_dir, load_model, model_info, source_gguf
 from ..reporting.report import LATENCY_REF, SPEED_COLUMNS, scheme
 from ..util.memory import release_free_heap
+from .envinfo import load_average
 from .experiment import Experiment, RunSpec
 
 log = logging.getLogger(__name__)
@@ -285,6 +286,7 @@ def evaluate_run(ctx: EvalContext, run: RunSpec) -> dict:
     the run's metrics. The run owns its extras: each is entered at its stage and left, in reverse order, when the
     evaluation is done, so nothing the run applied outlives it."""
     exp = ctx.exp
+    load_start = load_average()
     seed = exp.seed if run.seed is None else run.seed
     torch.manual_seed(seed)
     method = get_method(run.config)
@@ -326,6 +328,7 @@ def evaluate_run(ctx: EvalContext, run: RunSpec) -> dict:
     del model, evaluated
     if needs_train and checkpoints.exists():  # the row is about to be saved: the run will not resume
         shutil.rmtree(checkpoints)
+    row.update(load_avg_1m_start=load_start, load_avg_1m_end=load_average())  # how busy the machine was
     return row
 
 
