@@ -20,7 +20,8 @@ from quantlab.reporting.results import read_rows
 from quantlab.runs.experiment import parse_experiment
 from quantlab.runs.runner import run_experiment
 
-TIMING = ("_s", "timestamp", "device_name", "eval_batch_size", "peak_rss_mib")  # measured: may differ between executors
+TIMING = ("_s", "timestamp", "device_name", "eval_batch_size", "peak_rss_mib",
+          "load_avg_1m_start", "load_avg_1m_end")  # measured: may differ between executors
 
 
 @pytest.fixture(scope="module")

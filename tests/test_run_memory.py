@@ -115,8 +115,8 @@ def test_runner_kl_is_the_stored_reference_kl_exactly(tiny_model_dir, tmp_path, 
     computed from the same float model on the same windows. Equal with atol 0."""
     seen = []
 
-    def checked(model, windows, reference, progress=True, kl_windows=None):
-        live = PPL.perplexity(model, windows, reference, progress, kl_windows=kl_windows)
+    def checked(model, windows, reference, progress=True, kl_windows=None, dtype=None):
+        live = PPL.perplexity(model, windows, reference, progress, kl_windows=kl_windows, dtype=dtype)
         assert isinstance(reference, torch.nn.Module) and kl_windows == 2
         stored = PPL.perplexity(model, windows, PPL.reference_logprobs(reference, windows[:kl_windows], False), False)
         seen.append((live["kl_mean"], stored["kl_mean"], live["top1_agree"], stored["top1_agree"]))
