@@ -9,7 +9,7 @@ path. Results differ from MKL's only by summation order (relative ~1e-7 on a lay
 
 gemm "auto" takes oneDNN on AMD CPUs only, where MKL runs below rate (reports/bench_harness.csv: the harness 1.63x the
 plain loop through oneDNN, 0.95x through MKL). On an Intel Xeon (AVX-512 + AMX) MKL is at rate and oneDNN gains
-nothing (reports/bench_harness_xeon_amx.csv: 1.00-1.02x through oneDNN, 1.02-1.03x through MKL), so "auto" keeps
+nothing (reports/bench_harness_xeon_amx.csv: 1.01-1.02x through oneDNN, 1.01-1.03x through MKL), so "auto" keeps
 PyTorch's BLAS, the plain path, there and on every other vendor.
 
     with onednn_linear():
