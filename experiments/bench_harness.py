@@ -38,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.smollm2_speed import _load_average, cpu_facts
+from experiments.smollm2_speed import cpu_facts
 from quantlab.core.lifecycle import quantize
 from quantlab.core.registry import make_config
 from quantlab.eval.gemm import onednn_available, resolve_gemm
@@ -46,7 +46,7 @@ from quantlab.eval.perplexity import perplexity
 from quantlab.models.data import eval_windows, load_token_ids
 from quantlab.models.loading import load_model
 from quantlab.reporting.report import markdown_table
-from quantlab.runs.envinfo import environment
+from quantlab.runs.envinfo import environment, load_average
 
 MODEL = "smollm2-135m"
 
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     n, seq_len, rounds, batches = (2, 128, 1, (1, 2)) if args.smoke else (6, 512, args.rounds, (1, 2, 3, 6))
     torch.set_num_threads(args.threads)
-    load_start = _load_average()
+    load_start = load_average()
     model, tok = load_model(MODEL, "float32", "cpu")
     ids, _ = load_token_ids("wikitext2", "test", tok)
     windows = eval_windows(ids, seq_len, n)
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     sim_base = statistics.median(seconds["sim-w4g64-hf-loop"])
     own_loop = {"sim": sim_base, "bf16": statistics.median(seconds["bf16-hf-loop"]) if "bf16-hf-loop" in seconds else None}
     env = environment(torch.device("cpu")) | cpu_facts() | {"threads": args.threads, "load_avg_start": load_start,
-                                                             "load_avg_end": _load_average()}
+                                                             "load_avg_end": load_average()}
     rows = []
     for name, times in seconds.items():
         s = statistics.median(times)

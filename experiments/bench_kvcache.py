@@ -18,7 +18,6 @@ materializes at a time. Writes reports/bench_kvcache.csv (smoke: reports/bench_k
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -37,18 +36,11 @@ from quantlab.eval.latency import measure_latency
 from quantlab.kvcache import KVCacheConfig, kv_describe
 from quantlab.models.data import eval_windows, load_token_ids
 from quantlab.models.loading import load_model
-from quantlab.runs.envinfo import environment
+from quantlab.runs.envinfo import environment, load_average
 
 MODEL = "smollm2-135m"
 CONFIGS = {"float": KVCacheConfig(bits=16), "kv8": KVCacheConfig(bits=8), "kv4": KVCacheConfig(bits=4)}
 TIMES = ("prefill_ms_p50", "decode_ms_per_token_p50", "decode_ms_per_token_p90")
-
-
-def _load_average() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
 
 
 def interleaved(model, prompt, decode: int, rounds: int, progress: bool) -> list[dict]:
@@ -101,7 +93,7 @@ def main(argv=None) -> int:
                                                                       args.rounds)
     name = "bench_kvcache_smoke" if args.smoke else "bench_kvcache"
     torch.set_num_threads(args.threads)
-    t0, load_start = time.time(), _load_average()
+    t0, load_start = time.time(), load_average()
     model, tok = load_model(MODEL, "float32", "cpu", progress=False)
     ids, source = load_token_ids("wikitext2", "test", tok, data_dir=args.data_dir)
     prompt = eval_windows(ids, prefill, max_windows=batch)
@@ -110,7 +102,7 @@ def main(argv=None) -> int:
     rows = interleaved(model, prompt, decode, rounds, progress=not args.quiet)
     env = environment(torch.device("cpu")) | cpu_facts() | {
         "model": MODEL, "dtype": "float32", "data": f"wikitext2 test, first {batch} windows of {prefill} ({source})",
-        "loadavg_1m_start": load_start, "loadavg_1m_end": _load_average(), "wall_s": time.time() - t0,
+        "loadavg_1m_start": load_start, "loadavg_1m_end": load_average(), "wall_s": time.time() - t0,
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds")}
     df = pd.DataFrame([row | env for row in rows])
     out = Path(args.out)

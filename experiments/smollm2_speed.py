@@ -21,7 +21,6 @@ start and end, read bandwidth.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -49,7 +48,7 @@ from quantlab.runs.bench import (  # noqa: E402
     prepare,
     speed_table,
 )
-from quantlab.runs.envinfo import SIMD_FLAGS, cpu_facts, environment  # noqa: E402, F401  (cpu_facts: the scripts beside this one import it from here)
+from quantlab.runs.envinfo import SIMD_FLAGS, cpu_facts, environment, load_average  # noqa: E402, F401  (cpu_facts: the scripts beside this one import it from here)
 
 MODEL = "smollm2-135m"
 INT4 = {"method": "rtn", "bits": 4, "group_size": 64, "symmetric": False}
@@ -73,11 +72,6 @@ CONFIGS = [
     BenchConfig("llamacpp-q4_0", {"method": "gguf", "type": "Q4_0"}, backend="llama.cpp"),
     BenchConfig("llamacpp-q4_k_m", {"method": "gguf", "type": "Q4_K_M"}, backend="llama.cpp"),
 ]
-def _load_average() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
 
 
 EST_KEYS = ("est_total_mib", "est_weights_mib", "est_kv_cache_mib", "est_activations_mib", "est_overhead_mib")
@@ -149,7 +143,7 @@ def main(argv=None) -> int:
     prefill, decode, batches, rounds = (64, 8, (1, 2), 1) if args.smoke else (512, 64, (1, 8), args.rounds)
     name = args.name or ("smollm2_speed_smoke" if args.smoke else "smollm2_speed")
     torch.set_num_threads(args.threads)
-    t0, load_start = time.time(), _load_average()
+    t0, load_start = time.time(), load_average()
     base, tok = load_model(MODEL, "float32", "cpu")
     probe = torch.randint(0, base.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
     save_dir = Path(tempfile.mkdtemp(prefix="quantlab-speed-"))
@@ -169,7 +163,7 @@ def main(argv=None) -> int:
         row["est_error_pct"] = 100 * (row["est_total_mib"] / row["peak_rss_mib"] - 1)
     shutil.rmtree(save_dir, ignore_errors=True)  # ONNX graphs, GGUFs and saved codes: ~3 GB
     env = environment(torch.device("cpu")) | cpu_facts() | {"loadavg_1m_start": load_start,
-                                                             "loadavg_1m_end": _load_average()}
+                                                             "loadavg_1m_end": load_average()}
     bw = max(bw_start, bw_end, key=lambda b: b["dram_bandwidth_gbs"])  # the floor is a lower bound: the fastest
     env |= {"dram_bandwidth_method": bw["dram_bandwidth_method"], "dram_bandwidth_gbs_start":
             bw_start["dram_bandwidth_gbs"], "dram_bandwidth_gbs_end": bw_end["dram_bandwidth_gbs"]}
