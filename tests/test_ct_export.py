@@ -244,9 +244,8 @@ def test_quantlab_export_writes_a_run_as_compressed_tensors(tiny_model_dir, tmp_
     """`quantlab export --format compressed-tensors` end to end: the run quantized as the experiment says (GPTQ,
     calibrated), written, loaded by transformers; reference: the run's own model quantized in this process with the
     same windows (logits within fp32 round-off). --requantize and a KV-cache extra are refused before loading."""
-    from quantlab.cli import main
     from quantlab.models.loading import load_model
-    from quantlab.runs.evaluate import EvalContext
+    from quantlab.runs.context import EvalContext
     from quantlab.runs.experiment import parse_experiment
     from quantlab.runs.export import export_run
 

@@ -183,9 +183,9 @@ def _config_only_model(tmp_path, model_type, **fields):
                                   "kv-group", "calibration-memory"])
 def test_what_the_models_config_refuses_fails_before_its_weights_load(case, tiny_model_dir, tmp_path, monkeypatch):
     """Checks that need the config alone run before load_model (and so before the fp32 row is evaluated)."""
-    from quantlab.runs import evaluate, preflight
+    from quantlab.runs import context, preflight
 
-    monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: pytest.fail("the model's weights were loaded"))
+    monkeypatch.setattr(context, "load_model", lambda *a, **k: pytest.fail("the model's weights were loaded"))
     fp32, gptq = {"name": "fp32", "method": "none"}, {"name": "gptq", "method": "gptq", "bits": 4}
     rotated = {"name": "rot", "method": "rtn", "bits": 4, "rotation": {}}
     model, runs, eval_table, match = tiny_model_dir, [fp32, rotated], {}, None

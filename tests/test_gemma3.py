@@ -424,12 +424,12 @@ def test_gemma3_config_and_estimate_from_the_gguf_header_alone(tmp_path, monkeyp
 
 def test_a_bos_experiment_states_it_and_feeds_it_to_calibration(tiny_model_dir, tmp_path, monkeypatch):
     """On the tiny Llama (BOS <s>): every eval and calibration window starts with it, rows and report say so."""
-    from quantlab.runs import evaluate, runner
+    from quantlab.runs import context, runner
     from quantlab.runs.experiment import parse_experiment
 
     seen = []
-    real = evaluate.calibration_windows
-    monkeypatch.setattr(evaluate, "calibration_windows", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    real = context.calibration_windows
+    monkeypatch.setattr(context, "calibration_windows", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     exp = parse_experiment({
         "name": "tiny_bos", "model": str(tiny_model_dir), "device": "cpu",
         "eval": {"dataset": str(tiny_model_dir / "sample.txt"), "seq_len": 32, "max_windows": 3, "kl_windows": 1,

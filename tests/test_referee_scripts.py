@@ -45,7 +45,7 @@ def _tiny_experiment(tmp_path, model_dir, seed: int = 3, split: str = "validatio
 
 
 def _quantlab_draw(experiment, cache_dir, seed=None, protocol=None) -> torch.Tensor:
-    from quantlab.runs.evaluate import EvalContext
+    from quantlab.runs.context import EvalContext
     from quantlab.runs.experiment import load_experiment
 
     ctx = EvalContext(load_experiment(experiment), torch.device("cpu"), None, cache_dir, progress=False)

@@ -65,9 +65,9 @@ def test_a_sweep_name_clashing_with_a_run_fails():
 
 
 def test_dry_run_lists_the_grid_and_loads_nothing(tmp_path, monkeypatch, capsys):
-    from quantlab.runs import evaluate, runner
+    from quantlab.runs import context, runner
 
-    monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: pytest.fail("--dry-run loaded a model"))
+    monkeypatch.setattr(context, "load_model", lambda *a, **k: pytest.fail("--dry-run loaded a model"))
     monkeypatch.setattr(runner, "EvalContext", lambda *a, **k: pytest.fail("--dry-run built a run context"))
     toml = tmp_path / "grid.toml"
     toml.write_text('model = "smollm2-135m"\n[[run]]\nname = "fp32"\nmethod = "none"\n'

@@ -6,7 +6,7 @@ Runs in quantlab's own environment:
     ... --experiment experiments/smollm2_ptq.toml --num-samples 32 --seq-len 512 --seed 0   # the defaults' source
 
 The windows are the experiment's seeded draw from its [calibration] protocol, the validation split (never the
-test split: CalibrationProtocol refuses it), drawn as EvalContext.calibration draws them (runs/evaluate.py:
+test split: CalibrationProtocol refuses it), drawn as EvalContext.calibration draws them (runs/context.py:
 split_counts over the datasets, models/data.calibration_windows with the experiment's seed and [eval] bos).
 Flags override the file's fields. Writes into --out:
   windows.npy   int64 (num_samples, seq_len), one window a row, in quantlab's order

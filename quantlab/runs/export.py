@@ -24,7 +24,7 @@ from ..core.ggml.registry import GGML_TYPES
 from ..core.lifecycle import quantize
 from ..core.registry import get_method
 from ..models.loading import source_gguf
-from .evaluate import EvalContext
+from .context import EvalContext
 from .experiment import Experiment
 
 FORMATS = ("gguf", "compressed-tensors")

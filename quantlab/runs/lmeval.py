@@ -16,7 +16,8 @@ import pandas as pd
 from ..eval.lmeval import PREFIX
 from ..models.loading import resolve_device
 from ..reporting.report import scheme
-from .evaluate import EvalContext, evaluate_run
+from .context import EvalContext
+from .evaluate import evaluate_run
 from .experiment import Experiment
 
 

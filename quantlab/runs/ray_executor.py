@@ -123,8 +123,9 @@ def _remote_run(exp, run, data_dir, cache_dir, threads: int) -> dict:
     import torch
 
     from ..models.loading import resolve_device
+    from .context import EvalContext
     from .envinfo import environment
-    from .evaluate import EvalContext, evaluate_run, result_row
+    from .evaluate import evaluate_run, result_row
 
     torch.set_num_threads(max(1, threads))
     device = resolve_device(exp.device)

@@ -12,8 +12,9 @@ from ..core.registry import get_method
 from ..models.loading import resolve_device
 from ..reporting.report import scheme, write_report
 from ..reporting.results import append_row, read_rows, results_lock
+from .context import EvalContext
 from .envinfo import environment
-from .evaluate import EvalContext, evaluate_run, result_row, run_key
+from .evaluate import evaluate_run, result_row, run_key
 from .experiment import Experiment, RunSpec
 from .preflight import preflight
 
