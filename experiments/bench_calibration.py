@@ -33,7 +33,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.smollm2_speed import cpu_facts
 from quantlab.calibration import blocks
 from quantlab.core.lifecycle import quant_linears, quantize
 from quantlab.core.registry import make_config
@@ -41,7 +40,7 @@ from quantlab.eval.compute import count_matmul_flops, measure_matmul_rate
 from quantlab.mixed.sensitivity import sweep
 from quantlab.models.data import calibration_windows, load_token_ids
 from quantlab.models.loading import load_model
-from quantlab.runs.envinfo import environment
+from quantlab.runs.envinfo import cpu_facts, environment
 
 W4 = {"bits": 4, "group_size": 64, "symmetric": False}
 

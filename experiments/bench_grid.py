@@ -28,8 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.smollm2_speed import cpu_facts
 from quantlab.reporting.results import read_rows
+from quantlab.runs.envinfo import cpu_facts
 from quantlab.runs.experiment import parse_experiment
 from quantlab.runs.runner import run_experiment
 

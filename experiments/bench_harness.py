@@ -38,7 +38,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.smollm2_speed import cpu_facts
 from quantlab.core.lifecycle import quantize
 from quantlab.core.registry import make_config
 from quantlab.eval.gemm import onednn_available, resolve_gemm
@@ -46,7 +45,7 @@ from quantlab.eval.perplexity import perplexity
 from quantlab.models.data import eval_windows, load_token_ids
 from quantlab.models.loading import load_model
 from quantlab.reporting.report import markdown_table
-from quantlab.runs.envinfo import environment, load_average
+from quantlab.runs.envinfo import cpu_facts, environment, load_average
 
 MODEL = "smollm2-135m"
 

@@ -30,13 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
-from smollm2_speed import cpu_facts
-
 from quantlab.eval.latency import measure_latency
 from quantlab.kvcache import KVCacheConfig, kv_describe
 from quantlab.models.data import eval_windows, load_token_ids
 from quantlab.models.loading import load_model
-from quantlab.runs.envinfo import environment, load_average
+from quantlab.runs.envinfo import cpu_facts, environment, load_average
 
 MODEL = "smollm2-135m"
 CONFIGS = {"float": KVCacheConfig(bits=16), "kv8": KVCacheConfig(bits=8), "kv4": KVCacheConfig(bits=4)}

@@ -36,6 +36,7 @@ from quantlab.core.registry import make_config  # noqa: E402
 from quantlab.eval.latency import measure_latency  # noqa: E402
 from quantlab.models.loading import alias_gguf_path, load_model  # noqa: E402
 from quantlab.runs.bench import BenchConfig, prepare  # noqa: E402
+from quantlab.runs.envinfo import load_average  # noqa: E402
 
 MODEL = "smollm2-135m"
 TORCH = [
@@ -84,7 +85,7 @@ def main() -> int:
     args = ap.parse_args()
     rounds, prompt_len, new = (1, 32, 8) if args.smoke else (args.rounds, 128, 32)
     torch.set_num_threads(args.threads)
-    load_start = os.getloadavg()[0]
+    load_start = load_average()
     base, _ = load_model(MODEL, device="cpu", progress=False)
     probe = torch.randint(0, base.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,7 +124,7 @@ def main() -> int:
                                            for b, p in zip(df.batch_size, df.prefill_ms_p50)]
     df["cpu"] = cpu_model()
     df["llamacpp_cpu_features"] = llamacpp_cpu_features()
-    df["load_avg_start"], df["load_avg_end"] = load_start, os.getloadavg()[0]
+    df["load_avg_start"], df["load_avg_end"] = load_start, load_average()
     df["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out = Path(args.out)
     if not args.smoke:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import math
-import os
 import shutil
 import statistics
 import sys
@@ -36,13 +35,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
-from smollm2_speed import INT4, MODEL, cpu_facts
+from smollm2_speed import INT4, MODEL
 
 from quantlab.backends.ort import load_ort
 from quantlab.backends.ort_profile import category, op_times
 from quantlab.models.loading import load_model
 from quantlab.runs.bench import BenchConfig, prepare
-from quantlab.runs.envinfo import environment
+from quantlab.runs.envinfo import cpu_facts, environment, load_average
 
 CONFIGS = [BenchConfig("fp32"), BenchConfig("ort-fp32", backend="onnxruntime"),
            BenchConfig("ort-int4-g64", INT4, backend="onnxruntime", ort_accuracy_level=4)]
@@ -247,7 +246,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS], choices=[c.name for c in CONFIGS])
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    load_start = os.getloadavg()[0]
+    load_start = load_average()
     base, _ = load_model(args.model, dtype="float32", device="cpu")
     gen = torch.Generator().manual_seed(0)
     save = Path(tempfile.mkdtemp(prefix="quantlab-ort-profile-"))
@@ -265,7 +264,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(save, ignore_errors=True)
     env = environment(torch.device("cpu")) | cpu_facts() | {"loadavg_1m_start": load_start,
-                                                             "loadavg_1m_end": os.getloadavg()[0]}
+                                                             "loadavg_1m_end": load_average()}
     df = pd.DataFrame(rows).assign(**env)
     ops = pd.DataFrame(op_rows, columns=["config", "batch_size", "op", "part", "ms_per_step", "calls_per_step",
                                          "share"]).assign(**env)

@@ -48,7 +48,7 @@ from quantlab.runs.bench import (  # noqa: E402
     prepare,
     speed_table,
 )
-from quantlab.runs.envinfo import SIMD_FLAGS, cpu_facts, environment, load_average  # noqa: E402, F401  (cpu_facts: the scripts beside this one import it from here)
+from quantlab.runs.envinfo import cpu_facts, environment, load_average  # noqa: E402
 
 MODEL = "smollm2-135m"
 INT4 = {"method": "rtn", "bits": 4, "group_size": 64, "symmetric": False}

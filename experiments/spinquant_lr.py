@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,9 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments.smollm2_speed, run from anywhere
 
 import quantlab
-from experiments.smollm2_speed import cpu_facts
 from quantlab.models.data import calibration_windows, load_token_ids
-from quantlab.runs.envinfo import git_sha
+from quantlab.runs.envinfo import cpu_facts, git_sha, load_average
 from quantlab.transforms.rotation import RotationConfig
 from quantlab.transforms.spinquant import LOSS_WINDOWS, learn_rotations, loss_along_first_step, loss_under_perturbation
 
@@ -72,7 +70,7 @@ def main(argv=None) -> int:
         calib = [w[None] for w in calibration_windows(val, 32, 512, seed=0)]
         out = Path(args.out)
         if args.perturb:
-            load, t, rows = os.getloadavg()[0], time.perf_counter(), []
+            load, t, rows = load_average(), time.perf_counter(), []
             for seed in args.seeds:
                 cfg = RotationConfig(kind="spinquant", seed=seed)
                 got = loss_under_perturbation(model, calib[:LOSS_WINDOWS], cfg, args.act_bits, True, args.perturb,
@@ -81,18 +79,18 @@ def main(argv=None) -> int:
                 for r in got:
                     print(f"seed {seed} eps {r['eps']:g} draw {r['draw']}: loss {r['loss']:.4f}", flush=True)
             env = {"model": args.model, "act_bits": args.act_bits, "threads": args.threads,
-                   "seconds": time.perf_counter() - t, "load_start": load, "load_end": os.getloadavg()[0],
+                   "seconds": time.perf_counter() - t, "load_start": load, "load_end": load_average(),
                    "calib_source": source, "git_sha": git_sha(), **cpu_facts()}
             out.parent.mkdir(parents=True, exist_ok=True)
             pd.DataFrame([r | env for r in rows]).to_csv(out, index=False)
             return 0
         if args.line_search:
-            load, t = os.getloadavg()[0], time.perf_counter()
+            load, t = load_average(), time.perf_counter()
             cfg = RotationConfig(kind="spinquant", windows_per_step=args.windows_per_step)
             rows = loss_along_first_step(model, calib, cfg, args.act_bits, True, args.line_search)
             env = {"model": args.model, "act_bits": args.act_bits, "windows_per_step": args.windows_per_step,
                    "threads": args.threads, "seconds": time.perf_counter() - t, "load_start": load,
-                   "load_end": os.getloadavg()[0], "calib_source": source, "git_sha": git_sha(), **cpu_facts()}
+                   "load_end": load_average(), "calib_source": source, "git_sha": git_sha(), **cpu_facts()}
             df = pd.DataFrame([r | env for r in rows])
             out.parent.mkdir(parents=True, exist_ok=True)
             df.to_csv(out, index=False)
@@ -107,7 +105,7 @@ def main(argv=None) -> int:
             if len(old) and (old[list(same)] == pd.Series(same)).all(axis=1).any():
                 print(f"lr {lr}: in {out} already, skipped")
                 continue
-            load = os.getloadavg()[0]
+            load = load_average()
             t = time.perf_counter()
             cfg = RotationConfig(kind="spinquant", steps=args.steps, lr=lr, windows_per_step=args.windows_per_step)
             r = learn_rotations(model, calib, cfg, args.act_bits, True, progress=False)
@@ -116,7 +114,7 @@ def main(argv=None) -> int:
                    "r1_step_min": min(r.r1_step_sizes), "r1_step_max": max(r.r1_step_sizes),
                    "cap_binds_steps": sum(a < want * 0.999 for a, want in zip(r.r1_step_sizes, schedule(lr, args.steps))),
                    "r1_steps": json.dumps([round(a, 6) for a in r.r1_step_sizes]), "seconds": time.perf_counter() - t,
-                   "threads": args.threads, "load_start": load, "load_end": os.getloadavg()[0],
+                   "threads": args.threads, "load_start": load, "load_end": load_average(),
                    "calib_source": source, "git_sha": git_sha(), **cpu_facts()}
             print(f"lr {lr:g}: loss {r.loss_before:.4f} -> {r.loss_after:.4f}, R1 step mean {row['r1_step_mean']:.3g} "
                   f"(cap bound on {row['cap_binds_steps']} of {args.steps} steps), {row['seconds']:.0f} s", flush=True)
