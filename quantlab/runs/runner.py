@@ -84,19 +84,20 @@ def _row_seconds(row: dict) -> float | None:
 
 
 def _estimate(cfg: dict, rows: list[dict]) -> tuple[float | None, str | None]:
-    """Seconds for a run from the finished rows: the median of the rows with its settings (name and seed aside);
-    else the median of its method's rows, each row's calibration and training time scaled by the run's step count
-    over the row's where the method has one (AutoRound's iters, QAT's and LoRA's steps: 200 iterations take about
-    4x a 50-iteration row); None without a timed row of the method."""
-    def settings(c: dict) -> dict:
-        return {k: v for k, v in c.items() if k not in ("name", "seed")}
+    """Seconds for a run from the finished rows: the median of the rows with its settings (name and seed aside; a
+    field one side lacks, such as one added since the row ran, is not compared); else the median of its method's
+    rows, each row's calibration and training time scaled by the run's step count over the row's where the method
+    has one (AutoRound's iters, QAT's and LoRA's steps: 200 iterations take about 4x a 50-iteration row); None
+    without a timed row of the method."""
+    def same_settings(c: dict) -> bool:
+        return all(c[k] == cfg[k] for k in (set(c) & set(cfg)) - {"name", "seed"})
 
     timed = []
     for r in rows:
         seconds = _row_seconds(r)
         if r.get("method") == cfg["method"] and seconds is not None:
             timed.append((json.loads(r["config"]) if isinstance(r.get("config"), str) else {}, r, seconds))
-    same = sorted(s for c, _, s in timed if settings(c) == settings(cfg))
+    same = sorted(s for c, _, s in timed if same_settings(c))
     if same:
         return same[len(same) // 2], "same settings"
     if not timed:
