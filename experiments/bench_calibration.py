@@ -14,7 +14,8 @@ calibration tokens as the PTQ reports): seconds per block, matmul FLOPs per bloc
 separate pass; AutoRound's by its iteration count: counted at 1 and 2 iterations, which differ by one iteration's
 FLOPs), the achieved GFLOP/s and its fraction of this machine's F.linear rate on the replays' shapes, measured in the
 same run (quantlab.eval.compute). GPTQ (w4 g64, true_sequential false), AWQ reference and version 1, AutoRound w4 g64
-at 50 iterations (the committed rows) and at the reference's 200.
+at 50 iterations (the committed rows) and at the reference's 200, in float32 and with its matmuls under bf16
+autocast (`dtype = "bfloat16"`; its fraction is of F.linear's bf16 rate, measured too); `--methods` picks some.
 Writes reports/bench_calibration.csv (seconds) and reports/bench_calibration_rate.csv (the pace; --out X.csv writes
 X_rate.csv beside it), with the CPU and the load average.
 """
@@ -59,6 +60,9 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, default=2, help="decoder blocks the pace is measured on")
     ap.add_argument("--rate-only", action="store_true", help="only the pace (bench_calibration_rate.csv)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--methods", nargs="+", default=None, metavar="SUBSTRING",
+                    help="pace only the methods whose name contains one of these (default: all; names: "
+                         + "; ".join(PACE) + ")")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -67,7 +71,8 @@ def main(argv=None) -> int:
     windows = calibration_windows(ids, args.windows, 512, 0)
     calib = [w.unsqueeze(0) for w in windows]
     if args.rate_only:
-        return pace(model, tok, args.blocks, Path(args.out).with_name(Path(args.out).stem + "_rate.csv"))
+        return pace(model, tok, args.blocks, Path(args.out).with_name(Path(args.out).stem + "_rate.csv"),
+                    args.methods)
     rows = []
 
     def add(name, seconds, note=""):
@@ -104,7 +109,7 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(args.out, index=False)
     print(f"-> {args.out} [{env['cpu_model']}, avx512: {env['cpu_avx512'] != 'none'}]")
-    return pace(model, tok, args.blocks, Path(args.out).with_name(Path(args.out).stem + "_rate.csv"))
+    return pace(model, tok, args.blocks, Path(args.out).with_name(Path(args.out).stem + "_rate.csv"), args.methods)
 
 
 PACE = {  # name -> (config, FLOPs linear in iters: counted at 1 and 2 iterations)
@@ -114,6 +119,8 @@ PACE = {  # name -> (config, FLOPs linear in iters: counted at 1 and 2 iteration
                        "clip_qk": True, "block_inputs": "quantized"}, False),
     "autoround-w4-g64 iters=50": ({"method": "autoround", **W4, "iters": 50}, True),
     "autoround-w4-g64 iters=200 (reference)": ({"method": "autoround", **W4, "iters": 200}, True),
+    # the tuning loop's matmuls under bf16 autocast (auto-round's amp default where the CPU has native bf16)
+    "autoround-w4-g64 iters=200 bf16": ({"method": "autoround", **W4, "iters": 200, "dtype": "bfloat16"}, True),
 }
 
 
@@ -132,17 +139,25 @@ def _count(model, spec: dict, calib) -> int:
                                                progress=False))[0]
 
 
-def pace(model, tok, n_blocks: int, out: Path) -> int:
-    """Seconds and matmul FLOPs per block of each PACE method on the first n_blocks blocks, against this machine's
-    F.linear rate measured in the same run."""
+def pace(model, tok, n_blocks: int, out: Path, methods: list[str] | None = None) -> int:
+    """Seconds and matmul FLOPs per block of each PACE method (those whose name contains one of `methods`, default
+    all) on the first n_blocks blocks, against this machine's F.linear rate measured in the same run, in float32 and,
+    for a bf16 method, in bf16 as well."""
+    chosen = {n: v for n, v in PACE.items() if methods is None or any(m in n for m in methods)}
+    if not chosen:
+        raise SystemExit(f"--methods {' '.join(methods)}: no method matches; names: {'; '.join(PACE)}")
     ids, _ = load_token_ids("wikitext2", "validation", tok)
     calib = [w.unsqueeze(0) for w in calibration_windows(ids, 16, 512, 0)]
     load_start = os.getloadavg()[0]
     rate = measure_matmul_rate()
     print(f"F.linear rate: {rate['matmul_gflops']:.1f} GFLOP/s at {rate['matmul_shape']} ({rate['matmul_gflops_by_shape']})")
+    if any(spec.get("dtype") == "bfloat16" for spec, _ in chosen.values()):
+        bf16 = measure_matmul_rate(dtype=torch.bfloat16)
+        rate |= {"matmul_gflops_bf16": bf16["matmul_gflops"], "matmul_gflops_by_shape_bf16": bf16["matmul_gflops_by_shape"]}
+        print(f"F.linear rate in bf16: {bf16['matmul_gflops']:.1f} GFLOP/s ({bf16['matmul_gflops_by_shape']})")
     short, one = _first_blocks(model, n_blocks), _first_blocks(model, 1)
     rows = []
-    for name, (spec, per_iter) in PACE.items():
+    for name, (spec, per_iter) in chosen.items():
         seconds = _timed(short, spec, calib)[0] / n_blocks
         if per_iter:  # F(iters) = F0 + iters x Fi, counted at 1 and 2 iterations
             f1, f2 = (_count(one, {**spec, "iters": i}, calib) for i in (1, 2))
@@ -150,11 +165,13 @@ def pace(model, tok, n_blocks: int, out: Path) -> int:
         else:
             flops = _count(one, spec, calib)
         achieved = flops / seconds / 1e9
+        key = "matmul_gflops_bf16" if spec.get("dtype") == "bfloat16" else "matmul_gflops"  # its own dtype's rate
         rows.append({"method": name, "s_per_block": seconds, "gflop_per_block": flops / 1e9,
-                     "achieved_gflops": achieved, "fraction_of_matmul_rate": achieved / rate["matmul_gflops"],
+                     "achieved_gflops": achieved, "fraction_of_matmul_rate": achieved / rate[key],
+                     "matmul_rate_dtype": spec.get("dtype", "float32"),
                      "full_model_s_estimate": seconds * model.config.num_hidden_layers})
         print(f"{name:42s} {seconds:7.1f} s/block {flops / 1e9:8.1f} GFLOP/block {achieved:6.1f} GFLOP/s "
-              f"= {achieved / rate['matmul_gflops']:.0%} of the F.linear rate", flush=True)
+              f"= {achieved / rate[key]:.0%} of the F.linear rate in {spec.get('dtype', 'float32')}", flush=True)
     env = environment(torch.device("cpu")) | cpu_facts() | rate | {
         "calib_windows": 16, "calib_seq_len": 512, "blocks_measured": n_blocks, "threads": torch.get_num_threads(),
         "load_avg_start": load_start, "load_avg_end": os.getloadavg()[0]}

@@ -11,7 +11,7 @@ import quantlab
 from quantlab.calibration.blocks import run_block
 from quantlab.core.lifecycle import quant_linears
 from quantlab.core.primitives import fake_quantize, grouped
-from quantlab.core.qlinear import WeightSpec
+from quantlab.core.qlinear import QuantLinear, WeightSpec
 from quantlab.core.registry import non_default_fields
 from quantlab.methods import autoround
 from quantlab.methods.autoround import AutoRoundConfig, autoround_qdq, full_range_scale
@@ -239,6 +239,48 @@ def test_kept_iterate_never_loses_to_rtn_on_any_block(tiny_model, monkeypatch, b
     assert same == (next_inputs == "float")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tuning_dtype_is_the_matmuls_and_the_kept_iterate_still_never_loses_to_rtn(tiny_model, monkeypatch, dtype):
+    """bfloat16: the tuning loop's linears compute in bf16 (autocast), nothing else does (the float targets and the
+    next blocks' inputs stay float32), and the kept iterate is no worse than rtn on the bf16 loss it was chosen by;
+    float32: no bf16 anywhere."""
+    model, _ = tiny_model
+    records = _spy(monkeypatch)
+    seen = {"tuning": set(), "other": set()}
+    real_loss = autoround._loss
+
+    def loss_spy(*args, **kwargs):
+        seen["tuning"].add("in")
+        try:
+            return real_loss(*args, **kwargs)
+        finally:
+            seen["tuning"].discard("in")
+
+    real_forward = QuantLinear.forward
+
+    def forward_spy(self, x):
+        out = real_forward(self, x)
+        seen["tuning" if "in" in seen["tuning"] else "other"].add(out.dtype)
+        return out
+
+    monkeypatch.setattr(autoround, "_loss", loss_spy)
+    monkeypatch.setattr(QuantLinear, "forward", forward_spy)
+    cfg = AutoRoundConfig(bits=3, group_size=32, iters=20, batch_size=2, dtype=dtype)
+    diag = quantlab.quantize(model, cfg, calibration=_calib(), progress=False)["diagnostics"]
+    assert seen["tuning"] - {"in"} == {getattr(torch, dtype)} and seen["other"] == {torch.float32}
+    assert diag["autoround_dtype"] == dtype and diag["autoround_loss_ratio_max"] <= 1
+    assert all(result.best_loss <= result.rtn_loss for *_, result in records)
+
+
+def test_bfloat16_without_native_bf16_warns_and_runs(tiny_model, monkeypatch, caplog):
+    model, _ = tiny_model
+    monkeypatch.setattr(autoround, "cpu_has_native_bf16", lambda: False)
+    with caplog.at_level("WARNING", logger="quantlab.methods.autoround"):
+        quantlab.quantize(model, AutoRoundConfig(bits=4, group_size=32, iters=2, dtype="bfloat16"),
+                          calibration=_calib(), progress=False)
+    assert "without AVX512_BF16 or AMX" in caplog.text and quant_linears(model)
+
+
 def test_seeded_and_reported(tiny_model_dir):
     """Same seed, same codes (minibatch sampling is seeded); diagnostics are prefixed autoround_."""
     codes = []
@@ -249,7 +291,7 @@ def test_seeded_and_reported(tiny_model_dir):
         diag = quantlab.quantize(model, cfg, calibration=_calib(), progress=False)["diagnostics"]
         codes.append([m.qweight for m in quant_linears(model).values()])
     assert all(torch.equal(a, b) for a, b in zip(*codes))
-    assert set(diag) == {"autoround_iters", "autoround_blocks", "autoround_loss_reduction_mean",
+    assert set(diag) == {"autoround_iters", "autoround_dtype", "autoround_blocks", "autoround_loss_reduction_mean",
                          "autoround_loss_ratio_max", "autoround_best_iter_mean", "autoround_rtn_kept_blocks"}
 
 
@@ -268,6 +310,7 @@ def test_seeded_and_reported(tiny_model_dir):
     ({"full_range": True}, "full_range = true is auto-round's .* needs symmetric = true; got symmetric = false"),
     ({"full_range": "yes", "symmetric": True}, "full_range must be true or false, got 'yes'"),
     ({"next_inputs": "fp"}, "unknown next_inputs 'fp'; known: quantized, float"),
+    ({"dtype": "float16"}, "unknown dtype 'float16'; known: float32, bfloat16"),
     ({"include": "*"}, "include must be a list of name globs"),
     ({"iter": 3}, "unknown config key.*'iter'.*valid: .*iters"),
 ])
@@ -283,6 +326,7 @@ def test_config_defaults():
     assert not AutoRoundConfig().symmetric and AutoRoundConfig(iters=0).round_lr == 1.0
     assert AutoRoundConfig().full_range is False  # rtn's grid: existing rows keep their meaning
     assert "full_range" not in non_default_fields(AutoRoundConfig(symmetric=True))
+    assert AutoRoundConfig().dtype == "float32" and "dtype" not in non_default_fields(AutoRoundConfig())
     assert quantlab.get_method("autoround").describe(AutoRoundConfig(symmetric=True)) == "w4 channel sym"
     with pytest.raises(ValueError, match="needs calibration data"):
         quantlab.quantize(nn.Sequential(nn.Linear(4, 4)), AutoRoundConfig())

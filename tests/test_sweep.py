@@ -79,6 +79,38 @@ def test_dry_run_lists_the_grid_and_loads_nothing(tmp_path, monkeypatch, capsys)
     assert not (tmp_path / "r").exists()  # nothing written
 
 
+def test_dry_run_estimates_from_rows_of_the_same_settings_else_scales_by_step_count(tmp_path):
+    import json
+
+    from quantlab.runs.runner import plan_experiment
+
+    exp = parse_experiment({"name": "e", "model": "m", "run": [
+        {"name": "ar50", "method": "autoround", "bits": 4, "group_size": 64, "iters": 50},
+        {"name": "ar200", "method": "autoround", "bits": 4, "group_size": 64, "iters": 200},
+        {"name": "gptq", "method": "gptq", "bits": 4}]}, where="e.toml")
+    cfg = exp.runs[0].to_dict()
+
+    def row(seed, calibrate_s, drop=(), **cfg_changes):  # quantize 2 s beyond calibration, eval 30 s, KL 10 s
+        c = {k: v for k, v in {**cfg, "name": f"ar50-seed{seed}", "seed": seed, **cfg_changes}.items() if k not in drop}
+        return {"run_key": f"k{seed}", "method": "autoround", "config": json.dumps(c), "calibrate_s": calibrate_s,
+                "quantize_s": calibrate_s + 2.0, "eval_s": 30.0, "kl_reference_s": 10.0}
+
+    # seed 2's row predates a config field: a field one side lacks is not compared
+    rows = [row(0, 100.0), row(1, 300.0), row(2, 200.0, drop=("batch_size",)),
+            {"run_key": "x", "method": "autoround", "quantize_s": 1.0}]
+    (tmp_path / "e.results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plan = {p["run"]: p for p in plan_experiment(exp, tmp_path)}
+    # same settings, seed aside: the median of 142, 342, 242 (the row without eval_s is no timing)
+    assert (plan["ar50"]["est_s"], plan["ar50"]["est_basis"]) == (242.0, "same settings")
+    # 4x the steps: each row's calibration 4x, the rest as it was; the median of 442, 1242, 842
+    assert (plan["ar200"]["est_s"], plan["ar200"]["est_basis"]) == (842.0, "autoround rows, iters scaled")
+    assert (plan["gptq"]["est_s"], plan["gptq"]["est_basis"]) == (None, None)
+    # a row of other settings whose step count matches is used as it is
+    (tmp_path / "e.results.jsonl").write_text(json.dumps(row(0, 100.0, lr=0.01)) + "\n")
+    assert plan_experiment(exp, tmp_path)[0]["est_s"] == 142.0
+    assert plan_experiment(exp, tmp_path)[0]["est_basis"] == "autoround rows"
+
+
 def test_execution_and_a_formats_sweep_round_trip_through_toml():
     import tomllib
 

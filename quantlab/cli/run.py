@@ -74,7 +74,7 @@ def _dry_run(exp, reports_dir) -> int:
     width = max(len(p["run"]) for p in plan)
     for p in plan:
         work = "train" if p["trains"] else ("calibrate" if p["calibrates"] else "")
-        est = "" if p["est_s"] is None else f"~{p['est_s']:.0f} s"
+        est = "" if p["est_s"] is None or p["done"] else f"~{p['est_s']:.0f} s ({p['est_basis']})"
         print(f"{p['run']:{width}s}  {p['scheme']:36s} {work:9s} {'done' if p['done'] else 'pending':7s} {est}"
               + (f"  ({p['calibration']})" if p.get("calibration") else ""))
     pending = [p for p in plan if not p["done"]]

@@ -25,18 +25,26 @@ larger magnitude after the factors, max(-lo, hi), over 2^(b-1) as a signed scale
 larger, negative otherwise, ties included), so that end lands on code -2^(b-1) and all 2^b codes are used;
 |scale| >= 1e-5 after rounding to the scale dtype (its q_scale_thresh). Factors are clamped to [0.5, 1] (the
 paper's range; the code uses [0, 1]) and V to [-0.5, 0.5] after each step (the reference bounds V only
-through its lr schedule); computation is in float32 (no amp / bf16); when batch_size < the number of
+through its lr schedule); computation is in float32 unless dtype = "bfloat16" (below); when batch_size < the number of
 windows, the kept iterate is compared with iteration 0 once more on every window and iteration 0 is kept if
 it is better there (the reference compares minibatch losses only). Not ported: norm/bias tuning, activation
 tuning, dynamic_max_gap, gradient accumulation, nblocks > 1, the `lm_head` / layers outside blocks.
+
+dtype = "bfloat16" (a variant, named as one): the tuning loop's block forwards and backwards run under
+torch.autocast(bfloat16), so its matmuls take bf16 inputs and accumulate in float32, and the loss is taken in float32;
+the weights, V, the factors, the grid arithmetic, the block inputs and the float targets stay float32. The reference's
+default (amp = True) on a device with native bf16, which includes CPUs with AVX512_BF16 / AMX, goes further: it casts
+the model itself to bf16, so its cached inputs, its targets and the weights it rounds are bf16 values. Where the CPU
+has no native bf16 the reference turns amp off; here a warning says the run will be slower, and it runs as asked.
 
 >>> cfg = make_config({"method": "autoround", "bits": 4, "group_size": 64, "iters": 200})
 >>> quantlab.quantize(model, cfg, calibration=calib)["diagnostics"]["autoround_loss_reduction_mean"]
 """
 from __future__ import annotations
 
+import logging
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -61,9 +69,12 @@ from ..core.registry import LayerSelection, Method, register_method
 from ..models.arch import find_blocks
 from ..util.checks import check_choice, check_int
 
+log = logging.getLogger(__name__)
+
 FACTOR_RANGE = (0.5, 1.0)  # min/max clip factors
 Q_SCALE_THRESH = 1e-5  # full_range: the reference's least |scale| (its q_scale_thresh)
 OFFSET_RANGE = (-0.5, 0.5)  # rounding offsets V
+TUNING_DTYPES = ("float32", "bfloat16")  # the tuning loop's compute dtype (bfloat16: under torch.autocast)
 
 
 def _check_lr(field: str, value) -> None:
@@ -78,7 +89,8 @@ class AutoRoundConfig:
     """Integer grid (bits 2..8, group_size None = per output channel, symmetric, scale_dtype None = float16) and
     AutoRound's knobs: iters signed-gradient steps per block (0: the min-max start, rtn), lr None = 1/iters, minmax_lr
     None = lr, batch_size windows per step (capped at the calibration count), next_inputs "quantized" | "float",
-    seed for the window sampling; include / exclude name globs as rtn. full_range (needs symmetric): auto-round's
+    seed for the window sampling; dtype "float32" | "bfloat16" (the tuning loop's matmuls under bf16 autocast, a
+    variant: see the module docstring); include / exclude name globs as rtn. full_range (needs symmetric): auto-round's
     own symmetric grid, a signed scale max(|min|, max)/2^(b-1) over all 2^b codes; false: rtn's, amax/(2^(b-1)-1).
     The reference's default W4A16 grid is bits = 4, group_size = 128, symmetric = true, full_range = true."""
 
@@ -94,12 +106,14 @@ class AutoRoundConfig:
     full_range: bool = False
     next_inputs: str = "quantized"
     seed: int = 0
+    dtype: str = "float32"
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ("lm_head",)
 
     def __post_init__(self):
         object.__setattr__(self, "include", self.selection.include)
         object.__setattr__(self, "exclude", self.selection.exclude)
+        check_choice("dtype", self.dtype, TUNING_DTYPES)
         for field in ("symmetric", "enable_minmax_tuning", "full_range"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be true or false, got {getattr(self, field)!r}")  # noqa: TRY004
@@ -248,9 +262,17 @@ class _Tuned:
             layer.fixed_qparams = p
 
 
+def _compute(block: nn.Module, dtype: str):
+    """The tuning loop's forward context: bf16 autocast on the block's device, or nothing for float32."""
+    if dtype == "float32":
+        return nullcontext()
+    return torch.autocast(next(block.parameters()).device.type, dtype=getattr(torch, dtype))
+
+
 def _loss(block: nn.Module, inputs: list, targets: list, kwargs: list[dict], idx: list[int], stack: bool,
-          backward: bool) -> float:
-    """MSE over the windows `idx` (stacked into one forward when their shapes allow); backward() when asked."""
+          backward: bool, dtype: str = "float32") -> float:
+    """MSE over the windows `idx` (stacked into one forward when their shapes allow), the block's forward in
+    `dtype` (autocast) and the error in float32; backward() when asked."""
     count = sum(targets[i].numel() for i in idx)
     chunks = [idx] if stack else [[i] for i in idx]
     total = 0.0
@@ -258,7 +280,9 @@ def _loss(block: nn.Module, inputs: list, targets: list, kwargs: list[dict], idx
         x, kw = torch.cat([inputs[i] for i in chunk]), blocks.merge_calls([kwargs[i] for i in chunk])
         target = torch.cat([targets[i] for i in chunk])
         with torch.set_grad_enabled(backward):
-            loss = (block_output(block(x, **kw)).float() - target.float()).pow(2).sum() / count
+            with _compute(block, dtype):
+                out = block_output(block(x, **kw))
+            loss = (out.float() - target.float()).pow(2).sum() / count
         if backward:
             loss.backward()
         total += float(loss.detach())
@@ -266,9 +290,9 @@ def _loss(block: nn.Module, inputs: list, targets: list, kwargs: list[dict], idx
 
 
 def _full_loss(block, tuned: _Tuned, values: list, inputs: list, targets: list, kwargs: list[dict],
-               stack: bool) -> float:
+               stack: bool, dtype: str) -> float:
     tuned.load(values)
-    return _loss(block, inputs, targets, kwargs, list(range(len(inputs))), stack, backward=False)
+    return _loss(block, inputs, targets, kwargs, list(range(len(inputs))), stack, backward=False, dtype=dtype)
 
 
 def autoround_block(block: nn.Module, inputs: list, targets: list, kwargs: list[dict], config: AutoRoundConfig,
@@ -286,7 +310,7 @@ def autoround_block(block: nn.Module, inputs: list, targets: list, kwargs: list[
     with tuned.forwards(block):
         for i in range(config.iters):
             idx = sorted(torch.randperm(n, generator=generator)[:batch].tolist())
-            loss = _loss(block, inputs, targets, kwargs, idx, stack, backward=True)
+            loss = _loss(block, inputs, targets, kwargs, idx, stack, backward=True, dtype=config.dtype)
             if i == 0:
                 rtn_loss = best_loss = loss
             elif loss < best_loss:
@@ -294,7 +318,8 @@ def autoround_block(block: nn.Module, inputs: list, targets: list, kwargs: list[
             decay = 1.0 - i / config.iters  # the reference's LinearLR(1 -> 0 over iters)
             tuned.sign_step(config.round_lr * decay, config.factor_lr * decay)
         if config.iters and batch < n:  # the losses above are minibatch ones: compare on every window
-            rtn_loss, best_loss = (_full_loss(block, tuned, values, inputs, targets, kwargs, stack) for values in (rtn, best))
+            rtn_loss, best_loss = (_full_loss(block, tuned, values, inputs, targets, kwargs, stack, config.dtype)
+                                   for values in (rtn, best))
             if best_loss > rtn_loss:
                 best, best_loss, best_iter, fell_back = rtn, rtn_loss, 0, True
     tuned.load(best)
@@ -306,7 +331,8 @@ def diagnostics(results: list[BlockResult | None], config: AutoRoundConfig) -> d
     """Row scalars: mean relative loss reduction vs rtn over the tuned blocks, the worst best/rtn ratio, mean best
     iteration, blocks where rtn was kept after the full-set check."""
     done = [r for r in results if r is not None and r.rtn_loss is not None]
-    out = {"autoround_iters": config.iters, "autoround_blocks": len(done), "autoround_loss_reduction_mean": None,
+    out = {"autoround_iters": config.iters, "autoround_dtype": config.dtype, "autoround_blocks": len(done),
+           "autoround_loss_reduction_mean": None,
            "autoround_loss_ratio_max": None, "autoround_best_iter_mean": None,
            "autoround_rtn_kept_blocks": sum(r.fell_back for r in done)}
     if done:
@@ -315,6 +341,18 @@ def diagnostics(results: list[BlockResult | None], config: AutoRoundConfig) -> d
                    autoround_loss_ratio_max=max(ratios),
                    autoround_best_iter_mean=sum(r.best_iter for r in done) / len(done))
     return out
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has a bf16 matmul instruction (AVX512_BF16 or AMX), as torch's own dispatch checks it."""
+    checks = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return any(check() for check in checks if check is not None)
+
+
+def _warn_if_slow_dtype(model, dtype: str) -> None:
+    if dtype == "bfloat16" and next(model.parameters()).device.type == "cpu" and not cpu_has_native_bf16():
+        log.warning("autoround dtype 'bfloat16' on a CPU without AVX512_BF16 or AMX: its bf16 matmuls are emulated "
+                    "and run slower than float32 (the reference turns amp off there); running as asked")
 
 
 @register_method
@@ -336,6 +374,7 @@ class AutoRound(Method):
     def calibrate(self, model, config: AutoRoundConfig, batches, progress: bool = True) -> dict:
         """Blocks in order, with two streams of hidden states: float (the targets, and the next float inputs) and
         quantized (the training inputs with next_inputs = "quantized")."""
+        _warn_if_slow_dtype(model, config.dtype)
         was_training = model.training
         model.eval()
         inputs, block_kwargs = capture_block_calls(model, batches)  # kwargs per block: sliding-window layers differ

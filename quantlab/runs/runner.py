@@ -5,6 +5,7 @@ protocols + model + seed + device) is already in the file, unless force=True.
 """
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -53,27 +54,63 @@ def _calibration_note(own, default) -> str:
 
 def plan_experiment(exp: Experiment, reports_dir: str | Path = "reports") -> list[dict]:
     """What `quantlab run` would do, loading no model: one dict per run (name, method, scheme, calibrates,
-    trains, done) and est_s, the median seconds of this method's finished rows in the results file (if any)."""
+    trains, done), est_s, its seconds estimated from the finished rows in the results file (None without rows
+    of its method), and est_basis, what the estimate rests on (see _estimate)."""
     results = Path(reports_dir) / f"{exp.name}.results.jsonl"
     device = resolve_device(exp.device)
     rows = read_rows(results) if results.exists() else []
     done = {r["run_key"] for r in rows}
-    seconds: dict[str, list[float]] = {}
-    for r in rows:  # a run's own work: quantize (incl. calibration, training), its evaluation and the KL reference
-        parts = [r.get(k) for k in ("quantize_s", "eval_s", "kl_reference_s")]
-        if isinstance(parts[1], (int, float)):
-            seconds.setdefault(r.get("method"), []).append(sum(p for p in parts if isinstance(p, (int, float))))
     plan = []
     for run in exp.runs:
         method = get_method(run.config)
-        times = sorted(seconds.get(method.name, []))
+        est_s, basis = _estimate(run.to_dict(), rows)
         plan.append({"run": run.name, "method": method.name, "scheme": scheme(run.to_dict(), exp.dtype),
                      "calibrates": method.needs_calibration_for(run.config),
                      "trains": method.needs_training_for(run.config), "backend": run.backend,
-                     "done": run_key(exp, run, device) in done,
-                     "est_s": times[len(times) // 2] if times else None,
+                     "done": run_key(exp, run, device) in done, "est_s": est_s, "est_basis": basis,
                      "calibration": _calibration_note(run.calibration, exp.calibration)})
     return plan
+
+
+# A method's count of optimiser steps: its calibration or training time grows in proportion to it.
+_WORK_STEPS = {"autoround": "iters", "qat": "steps", "lora": "steps"}
+
+
+def _row_seconds(row: dict) -> float | None:
+    """A finished row's own work: quantize (calibration and training included), evaluation, the KL reference."""
+    if not isinstance(row.get("eval_s"), (int, float)):
+        return None
+    return sum(row[k] for k in ("quantize_s", "eval_s", "kl_reference_s") if isinstance(row.get(k), (int, float)))
+
+
+def _estimate(cfg: dict, rows: list[dict]) -> tuple[float | None, str | None]:
+    """Seconds for a run from the finished rows: the median of the rows with its settings (name and seed aside; a
+    field one side lacks, such as one added since the row ran, is not compared); else the median of its method's
+    rows, each row's calibration and training time scaled by the run's step count over the row's where the method
+    has one (AutoRound's iters, QAT's and LoRA's steps: 200 iterations take about 4x a 50-iteration row); None
+    without a timed row of the method."""
+    def same_settings(c: dict) -> bool:
+        return all(c[k] == cfg[k] for k in (set(c) & set(cfg)) - {"name", "seed"})
+
+    timed = []
+    for r in rows:
+        seconds = _row_seconds(r)
+        if r.get("method") == cfg["method"] and seconds is not None:
+            timed.append((json.loads(r["config"]) if isinstance(r.get("config"), str) else {}, r, seconds))
+    same = sorted(s for c, _, s in timed if same_settings(c))
+    if same:
+        return same[len(same) // 2], "same settings"
+    if not timed:
+        return None, None
+    field, scaled, times = _WORK_STEPS.get(cfg["method"]), False, []
+    for c, r, seconds in timed:
+        mine, theirs = cfg.get(field), c.get(field)
+        if field and isinstance(mine, int) and isinstance(theirs, int) and theirs > 0 and mine != theirs:
+            work = sum(r[k] for k in ("calibrate_s", "train_s") if isinstance(r.get(k), (int, float)))
+            seconds, scaled = seconds + work * (mine / theirs - 1), True
+        times.append(seconds)
+    times.sort()
+    return times[len(times) // 2], f"{cfg['method']} rows, {field} scaled" if scaled else f"{cfg['method']} rows"
 
 
 def _check_executor_and_reports_dir(executor: str, address: str | None, reports_dir) -> Path:
