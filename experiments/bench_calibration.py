@@ -64,6 +64,8 @@ def main(argv=None) -> int:
                     help="pace only the methods whose name contains one of these (default: all; names: "
                          + "; ".join(PACE) + ")")
     args = ap.parse_args(argv)
+    if args.methods and not any(m in n for n in PACE for m in args.methods):  # before any model loads
+        ap.error(f"--methods {' '.join(args.methods)}: no method matches; names: {'; '.join(PACE)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2-135m", "float32", "cpu")
