@@ -105,6 +105,10 @@ def test_dry_run_estimates_from_rows_of_the_same_settings_else_scales_by_step_co
     # 4x the steps: each row's calibration 4x, the rest as it was; the median of 442, 1242, 842
     assert (plan["ar200"]["est_s"], plan["ar200"]["est_basis"]) == (842.0, "autoround rows, iters scaled")
     assert (plan["gptq"]["est_s"], plan["gptq"]["est_basis"]) == (None, None)
+    # a run setting a field the rows predate (seed 2's lacks batch_size) does not match them: ar200 at batch 4
+    exp4 = parse_experiment({"name": "e", "model": "m", "run": [{"name": "b4", "method": "autoround", "bits": 4,
+                             "group_size": 64, "iters": 50, "batch_size": 4}]}, where="e.toml")
+    assert plan_experiment(exp4, tmp_path)[0]["est_basis"] == "autoround rows"
     # a row of other settings whose step count matches is used as it is
     (tmp_path / "e.results.jsonl").write_text(json.dumps(row(0, 100.0, lr=0.01)) + "\n")
     assert plan_experiment(exp, tmp_path)[0]["est_s"] == 142.0

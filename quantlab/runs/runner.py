@@ -9,7 +9,7 @@ import json
 import logging
 from pathlib import Path
 
-from ..core.registry import get_method
+from ..core.registry import get_method, non_default_fields
 from ..models.loading import resolve_device
 from ..reporting.report import scheme, write_report
 from ..reporting.results import append_row, read_rows, results_lock
@@ -63,7 +63,7 @@ def plan_experiment(exp: Experiment, reports_dir: str | Path = "reports") -> lis
     plan = []
     for run in exp.runs:
         method = get_method(run.config)
-        est_s, basis = _estimate(run.to_dict(), rows)
+        est_s, basis = _estimate(run.to_dict(), rows, set(non_default_fields(run.config)))
         plan.append({"run": run.name, "method": method.name, "scheme": scheme(run.to_dict(), exp.dtype),
                      "calibrates": method.needs_calibration_for(run.config),
                      "trains": method.needs_training_for(run.config), "backend": run.backend,
@@ -83,14 +83,15 @@ def _row_seconds(row: dict) -> float | None:
     return sum(row[k] for k in ("quantize_s", "eval_s", "kl_reference_s") if isinstance(row.get(k), (int, float)))
 
 
-def _estimate(cfg: dict, rows: list[dict]) -> tuple[float | None, str | None]:
+def _estimate(cfg: dict, rows: list[dict], changed: set[str] = frozenset()) -> tuple[float | None, str | None]:
     """Seconds for a run from the finished rows: the median of the rows with its settings (name and seed aside; a
-    field one side lacks, such as one added since the row ran, is not compared); else the median of its method's
+    field a row lacks, one added since it ran, counts as its default there, so it matches unless the run sets it
+    (`changed`: the run's non-default fields)); else the median of its method's
     rows, each row's calibration and training time scaled by the run's step count over the row's where the method
     has one (AutoRound's iters, QAT's and LoRA's steps: 200 iterations take about 4x a 50-iteration row); None
     without a timed row of the method."""
     def same_settings(c: dict) -> bool:
-        return all(c[k] == cfg[k] for k in (set(c) & set(cfg)) - {"name", "seed"})
+        return all(c[k] == cfg[k] if k in c else k not in changed for k in set(cfg) - {"name", "seed"})
 
     timed = []
     for r in rows:
