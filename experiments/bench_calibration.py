@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from quantlab.eval.compute import count_matmul_flops, measure_matmul_rate
 from quantlab.mixed.sensitivity import sweep
 from quantlab.models.data import calibration_windows, load_token_ids
 from quantlab.models.loading import load_model
-from quantlab.runs.envinfo import cpu_facts, environment
+from quantlab.runs.envinfo import cpu_facts, environment, load_average
 
 W4 = {"bits": 4, "group_size": 64, "symmetric": False}
 
@@ -145,12 +144,10 @@ def pace(model, tok, n_blocks: int, out: Path, methods: list[str] | None = None)
     """Seconds and matmul FLOPs per block of each PACE method (those whose name contains one of `methods`, default
     all) on the first n_blocks blocks, against this machine's F.linear rate measured in the same run, in float32 and,
     for a bf16 method, in bf16 as well."""
-    chosen = {n: v for n, v in PACE.items() if methods is None or any(m in n for m in methods)}
-    if not chosen:
-        raise SystemExit(f"--methods {' '.join(methods)}: no method matches; names: {'; '.join(PACE)}")
+    chosen = {n: v for n, v in PACE.items() if methods is None or any(m in n for m in methods)}  # main() checked
     ids, _ = load_token_ids("wikitext2", "validation", tok)
     calib = [w.unsqueeze(0) for w in calibration_windows(ids, 16, 512, 0)]
-    load_start = os.getloadavg()[0]
+    load_start = load_average()
     rate = measure_matmul_rate()
     print(f"F.linear rate: {rate['matmul_gflops']:.1f} GFLOP/s at {rate['matmul_shape']} ({rate['matmul_gflops_by_shape']})")
     if any(spec.get("dtype") == "bfloat16" for spec, _ in chosen.values()):
@@ -176,7 +173,7 @@ def pace(model, tok, n_blocks: int, out: Path, methods: list[str] | None = None)
               f"= {achieved / rate[key]:.0%} of the F.linear rate in {spec.get('dtype', 'float32')}", flush=True)
     env = environment(torch.device("cpu")) | cpu_facts() | rate | {
         "calib_windows": 16, "calib_seq_len": 512, "blocks_measured": n_blocks, "threads": torch.get_num_threads(),
-        "load_avg_start": load_start, "load_avg_end": os.getloadavg()[0]}
+        "load_avg_start": load_start, "load_avg_end": load_average()}
     pd.DataFrame([{**r, **env} for r in rows]).to_csv(out, index=False)
     print(f"-> {out} [{env['cpu_model']}, load {load_start:.2f} -> {env['load_avg_end']:.2f}]")
     return 0

@@ -274,7 +274,9 @@ def test_tuning_dtype_is_the_matmuls_and_the_kept_iterate_still_never_loses_to_r
 
 def test_bfloat16_without_native_bf16_warns_and_runs(tiny_model, monkeypatch, caplog):
     model, _ = tiny_model
-    monkeypatch.setattr(autoround, "cpu_has_native_bf16", lambda: False)
+    from quantlab.util import device as device_util
+
+    monkeypatch.setattr(device_util, "bf16_slowdown", lambda device: 12.0)  # an emulated AVX2 CPU's ratio
     with caplog.at_level("WARNING", logger="quantlab.methods.autoround"):
         quantlab.quantize(model, AutoRoundConfig(bits=4, group_size=32, iters=2, dtype="bfloat16"),
                           calibration=_calib(), progress=False)

@@ -343,16 +343,18 @@ def diagnostics(results: list[BlockResult | None], config: AutoRoundConfig) -> d
     return out
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU has a bf16 matmul instruction (AVX512_BF16 or AMX), as torch's own dispatch checks it."""
-    checks = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-    return any(check() for check in checks if check is not None)
-
-
 def _warn_if_slow_dtype(model, dtype: str) -> None:
-    if dtype == "bfloat16" and next(model.parameters()).device.type == "cpu" and not cpu_has_native_bf16():
+    """bfloat16 on a CPU whose bf16 matmuls are emulated (QAT's check, util.device.bf16_slowdown): warn, run as asked."""
+    device = next(model.parameters()).device
+    if dtype != "bfloat16" or device.type != "cpu":
+        return
+    from ..util import device as device_util
+
+    ratio = device_util.bf16_slowdown(device)
+    if ratio >= device_util.SLOW_BF16_RATIO:
         log.warning("autoround dtype 'bfloat16' on a CPU without AVX512_BF16 or AMX: its bf16 matmuls are emulated "
-                    "and run slower than float32 (the reference turns amp off there); running as asked")
+                    "(%.1fx the fp32 time) and run slower than float32 (the reference turns amp off there); running "
+                    "as asked", ratio)
 
 
 @register_method

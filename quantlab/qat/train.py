@@ -99,18 +99,14 @@ def _autocast(device: torch.device, dtype: str):
     return torch.autocast(device.type, dtype=getattr(torch, dtype))
 
 
-SLOW_BF16_RATIO = 2.0  # warn when a CPU bf16 matmul takes this many times the fp32 one
-
-
 def _warn_if_bf16_is_slow(device: torch.device, dtype: str) -> float | None:
-    """On CPU with dtype 'bfloat16': time a bf16 and an fp32 matmul (quantlab doctor's probe, ~0.2 s) and warn
-    when bf16 is SLOW_BF16_RATIO times slower or more (no AVX512_BF16 / AMX: measured ~12x for QAT on an
-    emulated AVX2 CPU). Returns the ratio, or None where nothing was probed."""
+    """On CPU with dtype 'bfloat16': warn when a bf16 matmul is SLOW_BF16_RATIO times slower than fp32 or more
+    (util.device.bf16_slowdown, quantlab doctor's probe). Returns the ratio, or None where nothing was probed."""
     if device.type != "cpu" or dtype != "bfloat16":
         return None
-    from ..util.device import matmul_ms
+    from ..util.device import SLOW_BF16_RATIO, bf16_slowdown
 
-    ratio = matmul_ms(torch.bfloat16, device, budget_s=0.1) / matmul_ms(torch.float32, device, budget_s=0.1)
+    ratio = bf16_slowdown(device)
     if ratio >= SLOW_BF16_RATIO:
         log.warning("training dtype 'bfloat16': a bf16 matmul on this CPU takes %.1fx the fp32 one (no native bf16, "
                     "e.g. AVX2 without AVX512_BF16/AMX); dtype = 'float32' trains faster here "

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import contextlib
-
 import statistics
 import time
 
@@ -59,3 +58,14 @@ def single_threaded(device: torch.device | str = "cpu"):
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+SLOW_BF16_RATIO = 2.0  # a CPU whose bf16 matmul takes this many times the fp32 one has no native bf16 (AVX512_BF16/AMX)
+
+
+def bf16_slowdown(device: torch.device) -> float | None:
+    """On CPU: a bf16 matmul's time over an fp32 one's (~0.2 s of probing; measured ~12x on an emulated AVX2 CPU,
+    below 1 with AVX512_BF16 / AMX); None on other devices."""
+    if device.type != "cpu":
+        return None
+    return matmul_ms(torch.bfloat16, device, budget_s=0.1) / matmul_ms(torch.float32, device, budget_s=0.1)
