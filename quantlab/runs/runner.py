@@ -60,10 +60,11 @@ def plan_experiment(exp: Experiment, reports_dir: str | Path = "reports") -> lis
     device = resolve_device(exp.device)
     rows = read_rows(results) if results.exists() else []
     done = {r["run_key"] for r in rows}
+    timed = _timed_rows(rows)
     plan = []
     for run in exp.runs:
         method = get_method(run.config)
-        est_s, basis = _estimate(run.to_dict(), rows, set(non_default_fields(run.config)))
+        est_s, basis = _estimate(run.to_dict(), timed, set(non_default_fields(run.config)))
         plan.append({"run": run.name, "method": method.name, "scheme": scheme(run.to_dict(), exp.dtype),
                      "calibrates": method.needs_calibration_for(run.config),
                      "trains": method.needs_training_for(run.config), "backend": run.backend,
@@ -76,14 +77,19 @@ def plan_experiment(exp: Experiment, reports_dir: str | Path = "reports") -> lis
 _WORK_STEPS = {"autoround": "iters", "qat": "steps", "lora": "steps"}
 
 
-def _row_seconds(row: dict) -> float | None:
-    """A finished row's own work: quantize (calibration and training included), evaluation, the KL reference."""
-    if not isinstance(row.get("eval_s"), (int, float)):
-        return None
-    return sum(row[k] for k in ("quantize_s", "eval_s", "kl_reference_s") if isinstance(row.get(k), (int, float)))
+def _timed_rows(rows: list[dict]) -> list[tuple[dict, dict, float]]:
+    """(config, row, seconds) of each finished row with an evaluation time, parsed once: seconds is the row's own
+    work, quantize (calibration and training included), evaluation and the KL reference."""
+    timed = []
+    for r in rows:
+        if isinstance(r.get("eval_s"), (int, float)):
+            seconds = sum(r[k] for k in ("quantize_s", "eval_s", "kl_reference_s") if isinstance(r.get(k), (int, float)))
+            timed.append((json.loads(r["config"]) if isinstance(r.get("config"), str) else {}, r, seconds))
+    return timed
 
 
-def _estimate(cfg: dict, rows: list[dict], changed: set[str] = frozenset()) -> tuple[float | None, str | None]:
+def _estimate(cfg: dict, timed: list[tuple[dict, dict, float]], changed: set[str] = frozenset()
+              ) -> tuple[float | None, str | None]:
     """Seconds for a run from the finished rows: the median of the rows with its settings (name and seed aside; a
     field a row lacks, one added since it ran, counts as its default there, so it matches unless the run sets it
     (`changed`: the run's non-default fields)); else the median of its method's
@@ -93,11 +99,7 @@ def _estimate(cfg: dict, rows: list[dict], changed: set[str] = frozenset()) -> t
     def same_settings(c: dict) -> bool:
         return all(c[k] == cfg[k] if k in c else k not in changed for k in set(cfg) - {"name", "seed"})
 
-    timed = []
-    for r in rows:
-        seconds = _row_seconds(r)
-        if r.get("method") == cfg["method"] and seconds is not None:
-            timed.append((json.loads(r["config"]) if isinstance(r.get("config"), str) else {}, r, seconds))
+    timed = [(c, r, seconds) for c, r, seconds in timed if r.get("method") == cfg["method"]]
     same = sorted(s for c, _, s in timed if same_settings(c))
     if same:
         return same[len(same) // 2], "same settings"
