@@ -365,3 +365,34 @@ def test_smollm2_blocks_beat_rtn(wikitext_dir, monkeypatch):
     with torch.no_grad():
         err = float((model.model(held_out).last_hidden_state - ref).pow(2).mean())
     assert err < 0.8 * rtn_err, (err, rtn_err)  # measured: 0.55x
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])  # slow: inductor, ~15 s
+def test_the_profile_script_splits_the_loop_into_its_parts(tiny_model_dir, wikitext_dir, tmp_path, compiled):
+    """experiments/profile_autoround.py end to end on the tiny model: a row per mode, its parts' shares summing to 1
+    with matmuls and the grid arithmetic's forward seen; autoround_qdq is left as it was (also after the compiled-qdq
+    mode); the ops CSV names each op's part; the CPU and the threads are in every row."""
+    import importlib.util
+
+    import pandas as pd
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("profile_autoround", REPO / "experiments" / "profile_autoround.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "profile.csv"
+    assert script.main(["--model", str(tiny_model_dir), "--iters", "2", "--windows", "2", "--seq-len", "32",
+                        "--top", "5", "--out", str(out)] + ["--compile-qdq"] * compiled) == 0
+    assert autoround.autoround_qdq is autoround_qdq
+    df = pd.read_csv(out)
+    modes = ["float32", "bfloat16"]
+    assert list(df["mode"]) == ([m + s for m in modes for s in ("", " + compiled qdq")] if compiled else modes)
+    shares = df[[f"share_{p}" for p in script.PARTS]]
+    assert ((shares.sum(axis=1) - 1).abs() < 1e-9).all() and (df.share_matmul > 0).all() and (df.wall_s > 0).all()
+    assert (df.share_qdq_forward > 0).all() and df.cpu_model.notna().all() and df.threads.notna().all()
+    ops = pd.read_csv(out.with_name("profile_ops.csv"))
+    assert len(ops) == 5 * len(df) and set(ops.part) <= set(script.PARTS)
+    assert [script.part(op) for op in ("aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+                                       "aten::copy_", "aten::mul")] == list(script.PARTS)
+    with pytest.raises(SystemExit):
+        script.main(["--iters", "1"])
