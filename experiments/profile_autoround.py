@@ -1,21 +1,22 @@
 """Where AutoRound's tuning-loop time goes, in float32 and under bf16 autocast (issue 32, item 3: why the reference
 defaults do not fit in 15 minutes on 2 cores).
 
-    python3 experiments/profile_autoround.py --threads 1     # ~3 min on a 2-core Xeon with AMX
+    python3 experiments/profile_autoround.py --threads 1 --compile-qdq    # ~5 min on a 2-core Xeon with AMX
 
 The first decoder block of SmolLM2-135M alone (`bench_calibration._first_blocks`), the referee's AutoRound settings
 (w4 g64 symmetric, full_range, batch 8 windows of 512 tokens a step) on 16 seeded WikiText-2 validation windows, --iters
-iterations (default 10; the loop's cost is linear in them), one row per mode:
+iterations (default 30), one row per mode:
 - `float32`, `bfloat16` (`dtype = "bfloat16"`: the block forward and backward under bf16 autocast);
 - with --compile-qdq, each again with the grid arithmetic (`autoround_qdq`, forward and backward) under torch.compile,
   an experiment only (quantlab does not ship it): what fusing those elementwise passes would save.
-Per mode, after one untimed 2-iteration run (compiling, allocator warm-up): the wall time of an unprofiled run, then
-torch.profiler's self CPU time of a second run, summed into parts: matmul (aten::mm / addmm / bmm), attention (the
+Per mode, after one untimed 2-iteration run (compiling, allocator warm-up): the seconds per iteration, from two
+unprofiled runs, (t(iters) - t(2)) / (iters - 2), so the fixed work (the block's float targets, the full-set check's
+forwards) cancels; then torch.profiler's self CPU time of a third run of --iters iterations, summed into parts: matmul (aten::mm / addmm / bmm), attention (the
 scaled-dot-product kernels, forward and backward), casts (aten::copy_ / _to_copy: autocast's bf16 copies, the weights'
 dtype change) and the rest (norms, activations, rotary, the loss, the grid arithmetic's elementwise ops, autograd's own);
 and the grid arithmetic's forward alone (its record_function's total, children included; its backward runs in
-autograd's engine and falls in the parts above). Both runs include the block's float targets (one forward) and the
-full-set check's two forwards, the same in every mode.
+autograd's engine and falls in the parts above). The profiled run includes the fixed work (about 3 forwards over
+the windows, against 3 forward-equivalents an iteration: under a tenth of the run at 30 iterations).
 Writes reports/profile_autoround.csv (a row per mode) and profile_autoround_ops.csv (the --top ops of each mode by self
 time); the CPU, its flags, the threads and the load average go in every row.
 """
@@ -80,12 +81,17 @@ def grid_arithmetic(compiled: bool):
 def profile_mode(block_model, calib, iters: int, dtype: str, compiled: bool, top: int) -> tuple[dict, list[dict]]:
     """One mode: (its row, its top ops)."""
     cfg = make_config({**SPEC, "iters": iters, "dtype": dtype})
-    with grid_arithmetic(compiled):
-        quantize(copy.deepcopy(block_model), make_config({**SPEC, "iters": 2, "dtype": dtype}), calibration=calib,
-                 progress=False)
+    short = make_config({**SPEC, "iters": 2, "dtype": dtype})
+
+    def timed(c) -> float:
+        model = copy.deepcopy(block_model)
         t0 = time.perf_counter()
-        quantize(copy.deepcopy(block_model), cfg, calibration=calib, progress=False)
-        wall = time.perf_counter() - t0
+        quantize(model, c, calibration=calib, progress=False)
+        return time.perf_counter() - t0
+
+    with grid_arithmetic(compiled):
+        timed(short)  # compiles (compiled qdq), warms the allocator
+        t_short, t_long = timed(short), timed(cfg)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             quantize(copy.deepcopy(block_model), cfg, calibration=calib, progress=False)
     events = prof.key_averages()
@@ -94,8 +100,8 @@ def profile_mode(block_model, calib, iters: int, dtype: str, compiled: bool, top
     shares = {p: sum(s for op, s in self_s.items() if part(op) == p) / total for p in PARTS}
     qdq_s = sum(e.cpu_time_total for e in events if e.key == "autoround_qdq") / 1e6
     mode = dtype + (" + compiled qdq" if compiled else "")
-    row = {"mode": mode, "dtype": dtype, "compiled_qdq": compiled, "iters": iters, "wall_s": wall,
-           "s_per_iter": wall / iters, "profiled_s": total,
+    row = {"mode": mode, "dtype": dtype, "compiled_qdq": compiled, "iters": iters, "wall_s": t_long,
+           "wall_s_2_iters": t_short, "s_per_iter": (t_long - t_short) / (iters - 2), "profiled_s": total,
            **{f"share_{p}": shares[p] for p in PARTS}, "share_qdq_forward": qdq_s / total}
     ops = sorted(self_s.items(), key=lambda kv: -kv[1])[:top]
     return row, [{"mode": mode, "op": op, "part": part(op), "self_s": s, "share": s / total} for op, s in ops]
@@ -104,7 +110,7 @@ def profile_mode(block_model, calib, iters: int, dtype: str, compiled: bool, top
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--windows", type=int, default=16, help="calibration windows (batch_size 8 of them a step)")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -113,8 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=25, help="ops per mode in the ops CSV")
     ap.add_argument("--out", default=str(ROOT / "reports" / "profile_autoround.csv"))
     args = ap.parse_args(argv)
-    if args.iters < 2:
-        ap.error(f"--iters must be >= 2, got {args.iters}")
+    if args.iters < 3:
+        ap.error(f"--iters must be >= 3 (seconds per iteration: against a 2-iteration run), got {args.iters}")
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
