@@ -21,8 +21,9 @@ MODEL=${REFEREE_MODEL:-smollm2-135m}
 OUT=${REFEREE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/quantlab/referee}
 VENVS=${XDG_CACHE_HOME:-$HOME/.cache}/quantlab/venvs
 WINDOWS=$OUT/windows
-# cheapest first (on 2 cores: GPTQ and RTN minutes, llm-compressor's AWQ ~3 min a decoder layer, auto-round ~1.5 h;
-# its 50-iteration light recipe about a quarter of that)
+# cheapest first (on 2 cores: GPTQ and RTN minutes; llm-compressor's AWQ ~10 min each on a Xeon with AMX, about 3 min
+# a decoder layer by the measurement on an AVX2 EPYC; auto-round ~1.5 h there, its 50-iteration light recipe
+# about a quarter of that)
 RUNS=(llmcompressor-gptq-w4a16-g64 llmcompressor-sq0.5-rtn-w8a8 llmcompressor-sq0.8-gptq-w8a8
       llmcompressor-sq0.5-gptq-w8a8 autoround-w4a16-g64-light llmcompressor-awq-w4a16-g64-noduo
       llmcompressor-awq-w4a16-g64 autoround-w4a16-g64)
