@@ -36,6 +36,10 @@ W8A8 = "W8A8"  # its preset: int8 per-channel symmetric weights, dynamic per-tok
 # recipe -> (what and why, [(modifier class, the keyword arguments passed)]). Arguments not passed keep
 # llm-compressor 0.14's defaults, which referee_settings.json records (each modifier's resolved fields).
 RECIPES = {
+    "rtn-w4a16-g64": (
+        ("W4A16 g64 alone (QuantizationModifier, no calibration algorithm): its round-to-nearest on its own symmetric "
+         "grid (amax/7.5 over codes -8..7), the grid its GPTQ and AWQ recipes round on"),
+        [("QuantizationModifier", {"targets": TARGETS, "ignore": IGNORE, "config_groups": W4A16_G64})]),
     "gptq-w4a16-g64": (
         ("GPTQ, W4A16 int4 symmetric, groups of 64 (llm-compressor's defaults: block 128, dampening 0.01, "
          "actorder static)"),

@@ -24,9 +24,9 @@ WINDOWS=$OUT/windows
 # cheapest first (on 2 cores: GPTQ and RTN minutes; llm-compressor's AWQ ~10 min each on a Xeon with AMX, about 3 min
 # a decoder layer by the measurement on an AVX2 EPYC; auto-round ~1.5 h there, its 50-iteration light recipe
 # about a quarter of that)
-RUNS=(llmcompressor-gptq-w4a16-g64 llmcompressor-sq0.5-rtn-w8a8 llmcompressor-sq0.8-gptq-w8a8
-      llmcompressor-sq0.5-gptq-w8a8 autoround-w4a16-g64-light llmcompressor-awq-w4a16-g64-noduo
-      llmcompressor-awq-w4a16-g64 autoround-w4a16-g64)
+RUNS=(llmcompressor-rtn-w4a16-g64 llmcompressor-gptq-w4a16-g64 llmcompressor-sq0.5-rtn-w8a8
+      llmcompressor-sq0.8-gptq-w8a8 llmcompressor-sq0.5-gptq-w8a8 autoround-w4a16-g64-light
+      llmcompressor-awq-w4a16-g64-noduo llmcompressor-awq-w4a16-g64 autoround-w4a16-g64)
 THREADS=(); [[ -n "${REFEREE_THREADS:-}" ]] && THREADS=(--threads "$REFEREE_THREADS")
 CSV=${REFEREE_CSV:-$HERE/checkpoints.csv}
 
