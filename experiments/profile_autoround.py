@@ -1,14 +1,17 @@
 """Where AutoRound's tuning-loop time goes, in float32 and under bf16 autocast (issue 32, item 3: why the reference
 defaults do not fit in 15 minutes on 2 cores).
 
-    python3 experiments/profile_autoround.py --threads 1 --compile-qdq    # ~5 min on a 2-core Xeon with AMX
+    python3 experiments/profile_autoround.py --threads 1 --compile-qdq --compile-block   # ~8 min, 2-core Xeon with AMX
 
 The first decoder block of SmolLM2-135M alone (`bench_calibration._first_blocks`), the referee's AutoRound settings
 (w4 g64 symmetric, full_range, batch 8 windows of 512 tokens a step) on 16 seeded WikiText-2 validation windows, --iters
 iterations (default 30), one row per mode:
 - `float32`, `bfloat16` (`dtype = "bfloat16"`: the block forward and backward under bf16 autocast);
 - with --compile-qdq, each again with the grid arithmetic (`autoround_qdq`, forward and backward) under torch.compile,
-  an experiment only (quantlab does not ship it): what fusing those elementwise passes would save.
+  an experiment only (quantlab does not ship it): what fusing those elementwise passes would save;
+- with --compile-block, each again with the decoder block's forward under torch.compile (the grid arithmetic traced
+  into it), as auto-round compiles its block forward: an experiment only. SmolLM2's rows at g64 have no ragged group;
+  where one is ragged torch 2.13's inductor computes V's gradient wrongly (docs/methods.md).
 Per mode, after one untimed 2-iteration run (compiling, allocator warm-up): the seconds per iteration, from two
 unprofiled runs, (t(iters) - t(2)) / (iters - 2), so the fixed work (the block's float targets, the full-set check's
 forwards) cancels; then torch.profiler's self CPU time of a third run of --iters iterations, summed into parts: matmul (aten::mm / addmm / bmm), attention (the
@@ -42,6 +45,7 @@ from bench_calibration import _first_blocks
 from quantlab.core.lifecycle import quantize
 from quantlab.core.registry import make_config
 from quantlab.methods import autoround
+from quantlab.models.arch import find_blocks
 from quantlab.models.data import calibration_windows, load_token_ids
 from quantlab.models.loading import load_model
 from quantlab.runs.envinfo import cpu_facts, environment, load_average
@@ -78,29 +82,32 @@ def grid_arithmetic(compiled: bool):
         autoround.autoround_qdq = real
 
 
-def profile_mode(block_model, calib, iters: int, dtype: str, compiled: bool, top: int) -> tuple[dict, list[dict]]:
-    """One mode: (its row, its top ops)."""
+def profile_mode(block_model, calib, iters: int, dtype: str, compiled: str, top: int) -> tuple[dict, list[dict]]:
+    """One mode, compiled "" (eager), "qdq" or "block": (its row, its top ops)."""
     cfg = make_config({**SPEC, "iters": iters, "dtype": dtype})
     short = make_config({**SPEC, "iters": 2, "dtype": dtype})
 
     def timed(c) -> float:
         model = copy.deepcopy(block_model)
+        if compiled == "block":
+            for block in find_blocks(model):
+                block.forward = torch.compile(block.forward, dynamic=False)
         t0 = time.perf_counter()
         quantize(model, c, calibration=calib, progress=False)
         return time.perf_counter() - t0
 
-    with grid_arithmetic(compiled):
+    with grid_arithmetic(compiled == "qdq"):
         timed(short)  # compiles (compiled qdq), warms the allocator
         t_short, t_long = timed(short), timed(cfg)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            quantize(copy.deepcopy(block_model), cfg, calibration=calib, progress=False)
+            timed(cfg)
     events = prof.key_averages()
     self_s = {e.key: e.self_cpu_time_total / 1e6 for e in events}
     total = sum(self_s.values())
     shares = {p: sum(s for op, s in self_s.items() if part(op) == p) / total for p in PARTS}
     qdq_s = sum(e.cpu_time_total for e in events if e.key == "autoround_qdq") / 1e6
-    mode = dtype + (" + compiled qdq" if compiled else "")
-    row = {"mode": mode, "dtype": dtype, "compiled_qdq": compiled, "iters": iters, "wall_s": t_long,
+    mode = dtype + (f" + compiled {compiled}" if compiled else "")
+    row = {"mode": mode, "dtype": dtype, "compiled": compiled, "iters": iters, "wall_s": t_long,
            "wall_s_2_iters": t_short, "s_per_iter": (t_long - t_short) / (iters - 2), "profiled_s": total,
            **{f"share_{p}": shares[p] for p in PARTS}, "share_qdq_forward": qdq_s / total}
     ops = sorted(self_s.items(), key=lambda kv: -kv[1])[:top]
@@ -115,6 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--compile-qdq", action="store_true", help="also each mode with autoround_qdq compiled")
+    ap.add_argument("--compile-block", action="store_true", help="also each mode with the block forward compiled")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--top", type=int, default=25, help="ops per mode in the ops CSV")
     ap.add_argument("--out", default=str(ROOT / "reports" / "profile_autoround.csv"))
@@ -132,7 +140,7 @@ def main(argv=None) -> int:
         load_start = load_average()
         rows, ops = [], []
         for dtype in args.dtypes:
-            for compiled in (False, True) if args.compile_qdq else (False,):
+            for compiled in [""] + ["qdq"] * args.compile_qdq + ["block"] * args.compile_block:
                 row, top = profile_mode(one, calib, args.iters, dtype, compiled, args.top)
                 rows.append(row)
                 ops += top
@@ -148,8 +156,10 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     pd.DataFrame([{**r, **env} for r in rows]).to_csv(out, index=False)
     pd.DataFrame([{**o, **env} for o in ops]).to_csv(out.with_name(out.stem + "_ops.csv"), index=False)
+    eager = {r["dtype"]: r for r in rows if not r["compiled"]}
     for r in rows[1:]:
-        print(f"{r['mode']} against {rows[0]['mode']}: {rows[0]['s_per_iter'] / r['s_per_iter']:.2f}x")
+        base = eager[r["dtype"]] if r["compiled"] else rows[0]
+        print(f"{r['mode']} against {base['mode']}: {base['s_per_iter'] / r['s_per_iter']:.2f}x")
     print(f"-> {out} [{env['cpu_model']}, {env['threads']} thread(s), load {load_start:.2f} -> {env['load_avg_end']:.2f}]")
     return 0
 

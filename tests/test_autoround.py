@@ -367,7 +367,7 @@ def test_smollm2_blocks_beat_rtn(wikitext_dir, monkeypatch):
     assert err < 0.8 * rtn_err, (err, rtn_err)  # measured: 0.55x
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])  # slow: inductor, ~15 s
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])  # slow: inductor, ~20 s
 def test_the_profile_script_splits_the_loop_into_its_parts(tiny_model_dir, wikitext_dir, tmp_path, compiled):
     """experiments/profile_autoround.py end to end on the tiny model: a row per mode, its parts' shares summing to 1
     with matmuls and the grid arithmetic's forward seen; autoround_qdq is left as it was (also after the compiled-qdq
@@ -382,11 +382,13 @@ def test_the_profile_script_splits_the_loop_into_its_parts(tiny_model_dir, wikit
     spec.loader.exec_module(script)
     out = tmp_path / "profile.csv"
     assert script.main(["--model", str(tiny_model_dir), "--iters", "4", "--windows", "2", "--seq-len", "32",
-                        "--top", "5", "--out", str(out)] + ["--compile-qdq"] * compiled) == 0
+                        "--top", "5", "--out", str(out)]
+                       + ["--compile-qdq", "--compile-block", "--dtypes", "float32"] * compiled) == 0
     assert autoround.autoround_qdq is autoround_qdq
     df = pd.read_csv(out)
-    modes = ["float32", "bfloat16"]
-    assert list(df["mode"]) == ([m + s for m in modes for s in ("", " + compiled qdq")] if compiled else modes)
+    modes = ["float32"] if compiled else ["float32", "bfloat16"]
+    suffixes = ("", " + compiled qdq", " + compiled block") if compiled else ("",)
+    assert list(df["mode"]) == [m + s for m in modes for s in suffixes]
     shares = df[[f"share_{p}" for p in script.PARTS]]
     assert ((shares.sum(axis=1) - 1).abs() < 1e-9).all() and (df.share_matmul > 0).all() and (df.wall_s > 0).all()
     assert (df.share_qdq_forward > 0).all() and df.cpu_model.notna().all() and df.threads.notna().all()
