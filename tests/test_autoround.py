@@ -293,8 +293,8 @@ def test_seeded_and_reported(tiny_model_dir):
         diag = quantlab.quantize(model, cfg, calibration=_calib(), progress=False)["diagnostics"]
         codes.append([m.qweight for m in quant_linears(model).values()])
     assert all(torch.equal(a, b) for a, b in zip(*codes))
-    assert set(diag) == {"autoround_iters", "autoround_dtype", "autoround_blocks", "autoround_loss_reduction_mean",
-                         "autoround_loss_ratio_max", "autoround_best_iter_mean", "autoround_rtn_kept_blocks"}
+    assert set(diag) == {"autoround_iters", "autoround_dtype", "autoround_compile", "autoround_compiled_blocks",
+                         "autoround_blocks", "autoround_loss_reduction_mean", "autoround_loss_ratio_max", "autoround_best_iter_mean", "autoround_rtn_kept_blocks"}
 
 
 @pytest.mark.parametrize("fields,message", [
@@ -313,6 +313,7 @@ def test_seeded_and_reported(tiny_model_dir):
     ({"full_range": "yes", "symmetric": True}, "full_range must be true or false, got 'yes'"),
     ({"next_inputs": "fp"}, "unknown next_inputs 'fp'; known: quantized, float"),
     ({"dtype": "float16"}, "unknown dtype 'float16'; known: float32, bfloat16"),
+    ({"compile": "yes"}, "compile must be true or false, got 'yes'"),
     ({"include": "*"}, "include must be a list of name globs"),
     ({"iter": 3}, "unknown config key.*'iter'.*valid: .*iters"),
 ])
@@ -329,6 +330,7 @@ def test_config_defaults():
     assert AutoRoundConfig().full_range is False  # rtn's grid: existing rows keep their meaning
     assert "full_range" not in non_default_fields(AutoRoundConfig(symmetric=True))
     assert AutoRoundConfig().dtype == "float32" and "dtype" not in non_default_fields(AutoRoundConfig())
+    assert AutoRoundConfig().compile is False and "compile" not in non_default_fields(AutoRoundConfig())
     assert quantlab.get_method("autoround").describe(AutoRoundConfig(symmetric=True)) == "w4 channel sym"
     with pytest.raises(ValueError, match="needs calibration data"):
         quantlab.quantize(nn.Sequential(nn.Linear(4, 4)), AutoRoundConfig())
@@ -365,6 +367,112 @@ def test_smollm2_blocks_beat_rtn(wikitext_dir, monkeypatch):
     with torch.no_grad():
         err = float((model.model(held_out).last_hidden_state - ref).pow(2).mean())
     assert err < 0.8 * rtn_err, (err, rtn_err)  # measured: 0.55x
+
+
+class _FlipGrad(torch.autograd.Function):
+    """Identity forward, negated gradient: a 'compiler' whose backward is wrong and forward right."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+def _fake_compiler(kind: str, calls: list):
+    """A stand-in for torch.compile: "faithful" returns the function itself; "grad" negates the gradient through the
+    block's output; "loss" scales the output by 1.5."""
+
+    def compile_(fn, **kwargs):
+        calls.append(fn)
+        if kind == "faithful":
+            return fn
+
+        def run(*args, **kw):
+            out = fn(*args, **kw)
+            first = out[0] if isinstance(out, tuple) else out
+            first = _FlipGrad.apply(first) if kind == "grad" else first * 1.5
+            return (first, *out[1:]) if isinstance(out, tuple) else first
+        return run
+    return compile_
+
+
+@pytest.mark.parametrize("kind,compiled_blocks", [("faithful", 2), ("grad", 0), ("loss", 0)])
+def test_compile_checks_each_block_against_eager_and_falls_back(tiny_model_dir, monkeypatch, caplog, kind,
+                                                                compiled_blocks):
+    """compile = true with a stand-in compiler (no inductor): a faithful one tunes every block through it; one whose
+    gradient or loss is wrong is caught at iteration 0 and the block is tuned eager, with a warning. Reference: an
+    eager run's codes and diagnostics, equal in every case (iteration 0 is eager; a faithful compile is eager here);
+    the blocks' own forward is back afterwards."""
+    runs = []
+    for compile_ in (False, True):
+        calls = []
+        monkeypatch.setattr(torch, "compile", _fake_compiler(kind, calls))
+        autoround._check_compile.cache_clear()  # the preflight runs (through the stand-in) once per run here
+        model, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
+        cfg = AutoRoundConfig(bits=3, group_size=32, iters=6, batch_size=2, compile=compile_)
+        with caplog.at_level("WARNING", logger="quantlab.methods.autoround"):
+            diag = quantlab.quantize(model, cfg, calibration=_calib(), progress=False)["diagnostics"]
+        codes = torch.cat([m.qweight.flatten() for m in quant_linears(model).values()])
+        runs.append((codes, diag, len(calls), [b.__dict__.get("forward") for b in model.model.layers]))
+    autoround._check_compile.cache_clear()
+    (eager_codes, eager_diag, eager_calls, _), (codes, diag, calls, forwards) = runs
+    assert eager_calls == 0 and calls == 1 + 2  # the preflight's tiny function, then each block's forward
+    assert torch.equal(codes, eager_codes) and forwards == [None, None]
+    assert diag["autoround_compile"] and diag["autoround_compiled_blocks"] == compiled_blocks
+    assert {k: v for k, v in diag.items() if "compile" not in k} == {
+        k: v for k, v in eager_diag.items() if "compile" not in k}
+    warned = [r for r in caplog.records if "tuned eager" in r.getMessage()]
+    assert len(warned) == (compiled_blocks == 0) and (not warned or "2 of 2 blocks" in warned[0].getMessage())
+
+
+def test_compile_disagreement_measures_loss_and_gradients():
+    g = [torch.tensor([3.0, 4.0]), None]
+    assert autoround.compile_disagreement(1.0, g, 1.0, g) == {"loss": 0.0, "grad": 0.0}
+    off = autoround.compile_disagreement(1.1, [torch.tensor([3.0, 4.5]), None], 1.0, g)
+    assert off["loss"] == pytest.approx(0.1) and off["grad"] == pytest.approx(0.1)
+    assert autoround.compile_disagreement(float("nan"), [torch.tensor([float("nan"), 4.0]), None], 1.0, g) == {
+        "loss": float("inf"), "grad": float("inf")}
+    assert autoround.compile_disagreement(1.0, [None, None], 1.0, g)["grad"] == 1.0  # a gradient gone
+
+
+@pytest.mark.slow  # inductor compiles the tiny block's forward and backward, ~30 s
+def test_compile_tunes_through_inductor_and_never_loses_to_rtn(tiny_model_dir, monkeypatch):
+    """compile = true with torch.compile itself: every block passes its check and is tuned compiled; the kept
+    iterate still never loses to rtn; the codes agree with an eager run's on all but a few weights (sign steps where a
+    factor's gradient is ~0 can go either way: at most 1% of the codes here)."""
+    records = _spy(monkeypatch)
+    codes, diags = [], []
+    for compile_ in (False, True):
+        model, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
+        cfg = AutoRoundConfig(bits=3, group_size=32, iters=10, batch_size=2, compile=compile_)
+        diags.append(quantlab.quantize(model, cfg, calibration=_calib(), progress=False)["diagnostics"])
+        codes.append(torch.cat([m.qweight.flatten().float() for m in quant_linears(model).values()]))
+    assert diags[1]["autoround_compiled_blocks"] == 2 and diags[1]["autoround_loss_ratio_max"] <= 1
+    for rtn_block, block, inputs, targets, kwargs, result in records[2:]:  # the compiled run's blocks
+        assert result.compiled and _mse(block, inputs, kwargs, targets) <= _mse(rtn_block, inputs, kwargs, targets)
+    assert (codes[0] != codes[1]).float().mean() <= 0.01
+
+
+def test_compile_without_a_working_torch_compile_says_so_before_tuning(tiny_model, monkeypatch):
+    def broken(*args, **kwargs):
+        def fail(*a, **k):
+            raise OSError("no C++ compiler found")
+        return fail
+
+    monkeypatch.setattr(torch, "compile", broken)
+    autoround._check_compile.cache_clear()
+    tuned = _spy(monkeypatch)
+    try:
+        with pytest.raises(RuntimeError, match="compile = true: torch.compile does not work on cpu here .*no C.. "
+                                               "compiler found.*or set compile = false"):
+            quantlab.quantize(tiny_model[0], AutoRoundConfig(bits=4, group_size=32, iters=2, compile=True),
+                              calibration=_calib(), progress=False)
+    finally:
+        autoround._check_compile.cache_clear()
+    assert not tuned
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])  # slow: inductor, ~20 s
