@@ -45,8 +45,8 @@ compiled loss and gradients against an eager forward and backward on the same wi
 iteration 0 takes the eager ones. A block that disagrees is tuned eager, the run warns, and the row counts the compiled
 blocks: torch 2.13's inductor miscompiles some grids with a ragged last group (SmolLM2 at g128 under bf16 autocast gives
 a non-finite loss; the grid arithmetic compiled alone, a wrong gradient of V). The full-set check and the handed-over
-weights are always eager. It needs torch.compile to work here (a C++ compiler on CPU, triton on CUDA): calibrate() tries it before
-any block is tuned. Windows of unequal shapes (no stacking) run eager.
+weights are always eager, and so are blocks whose windows differ in shape (no stacking). It needs torch.compile to
+work here (a C++ compiler on CPU, triton on CUDA): calibrate() tries it before any block is tuned.
 
 >>> cfg = make_config({"method": "autoround", "bits": 4, "group_size": 64, "iters": 200})
 >>> quantlab.quantize(model, cfg, calibration=calib)["diagnostics"]["autoround_loss_reduction_mean"]
@@ -399,8 +399,8 @@ def _check_block_compiled(block, eager_forward, tuned: _Tuned, loss: float, inpu
                           dtype: str) -> tuple[bool, float]:
     """Iteration 0 under compile = true, just after the compiled forward and backward: the same windows through
     eager_forward, compared by compile_disagreement. Iteration 0 keeps the eager loss and gradients either way, so
-    it is rtn's exactly, as in an eager run. (True, that loss): the block goes on compiled; (False, that loss): a
-    warning, and the block's forward stays eager for the rest of its loop."""
+    it is rtn's exactly, as in an eager run. (True, that loss): the block goes on compiled; (False, that loss): the
+    block's forward stays eager for the rest of its loop (logged here; calibrate() warns once per run)."""
     grads = tuned.take_grads()
     compiled_forward, block.forward = block.forward, eager_forward
     eager_loss = _loss(block, inputs, targets, kwargs, idx, True, backward=True, dtype=dtype)
@@ -497,9 +497,10 @@ class AutoRound(Method):
         model.train(was_training)
         out = diagnostics(results, config)
         if config.compile and out["autoround_compiled_blocks"] < out["autoround_blocks"]:
-            log.warning("autoround compile = true: %d of %d blocks' compiled forwards disagreed with their eager ones "
-                        "at iteration 0 (tolerance %s) and were tuned eager", out["autoround_blocks"]
-                        - out["autoround_compiled_blocks"], out["autoround_blocks"], COMPILE_TOLERANCE)
+            log.warning("autoround compile = true: %d of %d blocks were tuned eager: their compiled forward disagreed "
+                        "with the eager one at iteration 0 (tolerance %s), or their windows differ in shape",
+                        out["autoround_blocks"] - out["autoround_compiled_blocks"], out["autoround_blocks"],
+                        COMPILE_TOLERANCE)
         return out
 
     def convert(self, model, config: AutoRoundConfig) -> None:
