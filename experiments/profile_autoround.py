@@ -9,9 +9,9 @@ iterations (default 30), one row per mode:
 - `float32`, `bfloat16` (`dtype = "bfloat16"`: the block forward and backward under bf16 autocast);
 - with --compile-qdq, each again with the grid arithmetic (`autoround_qdq`, forward and backward) under torch.compile,
   an experiment only (quantlab does not ship it): what fusing those elementwise passes would save;
-- with --compile-block, each again with the decoder block's forward under torch.compile (the grid arithmetic traced
-  into it), as auto-round compiles its block forward: an experiment only. SmolLM2's rows at g64 have no ragged group;
-  where one is ragged torch 2.13's inductor computes V's gradient wrongly (docs/methods.md).
+- with --compile-block, each again with AutoRound's `compile = true`: the decoder block's forward under torch.compile
+  while tuning (the grid arithmetic traced into it), as auto-round compiles its block forward, each block checked
+  against eager at iteration 0 (that check runs in both timed runs, so it cancels from the seconds per iteration).
 Per mode, after one untimed 2-iteration run (compiling, allocator warm-up): the seconds per iteration, from two
 unprofiled runs, (t(iters) - t(2)) / (iters - 2), so the fixed work (the block's float targets, the full-set check's
 forwards) cancels; then torch.profiler's self CPU time of a third run of --iters iterations, summed into parts: matmul (aten::mm / addmm / bmm), attention (the
@@ -45,7 +45,6 @@ from bench_calibration import _first_blocks
 from quantlab.core.lifecycle import quantize
 from quantlab.core.registry import make_config
 from quantlab.methods import autoround
-from quantlab.models.arch import find_blocks
 from quantlab.models.data import calibration_windows, load_token_ids
 from quantlab.models.loading import load_model
 from quantlab.runs.envinfo import cpu_facts, environment, load_average
@@ -84,14 +83,11 @@ def grid_arithmetic(compiled: bool):
 
 def profile_mode(block_model, calib, iters: int, dtype: str, compiled: str, top: int) -> tuple[dict, list[dict]]:
     """One mode, compiled "" (eager), "qdq" or "block": (its row, its top ops)."""
-    cfg = make_config({**SPEC, "iters": iters, "dtype": dtype})
-    short = make_config({**SPEC, "iters": 2, "dtype": dtype})
+    mode_spec = {**SPEC, "dtype": dtype} | ({"compile": True} if compiled == "block" else {})
+    cfg, short = make_config({**mode_spec, "iters": iters}), make_config({**mode_spec, "iters": 2})
 
     def timed(c) -> float:
         model = copy.deepcopy(block_model)
-        if compiled == "block":
-            for block in find_blocks(model):
-                block.forward = torch.compile(block.forward, dynamic=False)
         t0 = time.perf_counter()
         quantize(model, c, calibration=calib, progress=False)
         return time.perf_counter() - t0
@@ -122,7 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--compile-qdq", action="store_true", help="also each mode with autoround_qdq compiled")
-    ap.add_argument("--compile-block", action="store_true", help="also each mode with the block forward compiled")
+    ap.add_argument("--compile-block", action="store_true", help="also each mode with compile = true (the block forward compiled)")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--top", type=int, default=25, help="ops per mode in the ops CSV")
     ap.add_argument("--out", default=str(ROOT / "reports" / "profile_autoround.csv"))
