@@ -118,7 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--compile-qdq", action="store_true", help="also each mode with autoround_qdq compiled")
-    ap.add_argument("--compile-block", action="store_true", help="also each mode with compile = true (the block forward compiled)")
+    ap.add_argument("--compile-block", action="store_true",
+                    help="also each mode with compile = true (the block forward compiled)")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--top", type=int, default=25, help="ops per mode in the ops CSV")
     ap.add_argument("--out", default=str(ROOT / "reports" / "profile_autoround.csv"))

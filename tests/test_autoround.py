@@ -294,7 +294,8 @@ def test_seeded_and_reported(tiny_model_dir):
         codes.append([m.qweight for m in quant_linears(model).values()])
     assert all(torch.equal(a, b) for a, b in zip(*codes))
     assert set(diag) == {"autoround_iters", "autoround_dtype", "autoround_compile", "autoround_compiled_blocks",
-                         "autoround_blocks", "autoround_loss_reduction_mean", "autoround_loss_ratio_max", "autoround_best_iter_mean", "autoround_rtn_kept_blocks"}
+                         "autoround_blocks", "autoround_loss_reduction_mean", "autoround_loss_ratio_max",
+                         "autoround_best_iter_mean", "autoround_rtn_kept_blocks"}
 
 
 @pytest.mark.parametrize("fields,message", [
