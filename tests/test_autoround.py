@@ -13,8 +13,9 @@ from quantlab.core.lifecycle import quant_linears
 from quantlab.core.primitives import fake_quantize, grouped
 from quantlab.core.qlinear import QuantLinear, WeightSpec
 from quantlab.core.registry import non_default_fields
-from quantlab.methods import autoround
-from quantlab.methods.autoround import AutoRoundConfig, autoround_qdq, full_range_scale
+from quantlab.methods import autoround, autoround_compile
+from quantlab.methods.autoround import AutoRoundConfig, autoround_qdq
+from quantlab.methods.autoround_grid import full_range_scale
 
 
 def _calib(n=4, tokens=32):
@@ -411,14 +412,14 @@ def test_compile_checks_each_block_against_eager_and_falls_back(tiny_model_dir, 
     for compile_ in (False, True):
         calls = []
         monkeypatch.setattr(torch, "compile", _fake_compiler(kind, calls))
-        autoround._check_compile.cache_clear()  # the preflight runs (through the stand-in) once per run here
+        autoround_compile.check_compile.cache_clear()  # the preflight runs (through the stand-in) once per run here
         model, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
         cfg = AutoRoundConfig(bits=3, group_size=32, iters=6, batch_size=2, compile=compile_)
         with caplog.at_level("WARNING", logger="quantlab.methods.autoround"):
             diag = quantlab.quantize(model, cfg, calibration=_calib(), progress=False)["diagnostics"]
         codes = torch.cat([m.qweight.flatten() for m in quant_linears(model).values()])
         runs.append((codes, diag, len(calls), [b.__dict__.get("forward") for b in model.model.layers]))
-    autoround._check_compile.cache_clear()
+    autoround_compile.check_compile.cache_clear()
     (eager_codes, eager_diag, eager_calls, _), (codes, diag, calls, forwards) = runs
     assert eager_calls == 0 and calls == 1 + 2  # the preflight's tiny function, then each block's forward
     assert torch.equal(codes, eager_codes) and forwards == [None, None]
@@ -431,12 +432,12 @@ def test_compile_checks_each_block_against_eager_and_falls_back(tiny_model_dir, 
 
 def test_compile_disagreement_measures_loss_and_gradients():
     g = [torch.tensor([3.0, 4.0]), None]
-    assert autoround.compile_disagreement(1.0, g, 1.0, g) == {"loss": 0.0, "grad": 0.0}
-    off = autoround.compile_disagreement(1.1, [torch.tensor([3.0, 4.5]), None], 1.0, g)
+    assert autoround_compile.compile_disagreement(1.0, g, 1.0, g) == {"loss": 0.0, "grad": 0.0}
+    off = autoround_compile.compile_disagreement(1.1, [torch.tensor([3.0, 4.5]), None], 1.0, g)
     assert off["loss"] == pytest.approx(0.1) and off["grad"] == pytest.approx(0.1)
-    assert autoround.compile_disagreement(float("nan"), [torch.tensor([float("nan"), 4.0]), None], 1.0, g) == {
+    assert autoround_compile.compile_disagreement(float("nan"), [torch.tensor([float("nan"), 4.0]), None], 1.0, g) == {
         "loss": float("inf"), "grad": float("inf")}
-    assert autoround.compile_disagreement(1.0, [None, None], 1.0, g)["grad"] == 1.0  # a gradient gone
+    assert autoround_compile.compile_disagreement(1.0, [None, None], 1.0, g)["grad"] == 1.0  # a gradient gone
 
 
 @pytest.mark.slow  # inductor compiles the tiny block's forward and backward, ~30 s
@@ -464,7 +465,7 @@ def test_compile_without_a_working_torch_compile_says_so_before_tuning(tiny_mode
         return fail
 
     monkeypatch.setattr(torch, "compile", broken)
-    autoround._check_compile.cache_clear()
+    autoround_compile.check_compile.cache_clear()
     tuned = _spy(monkeypatch)
     try:
         with pytest.raises(RuntimeError, match="compile = true: torch.compile does not work on cpu here .*no C.. "
@@ -472,7 +473,7 @@ def test_compile_without_a_working_torch_compile_says_so_before_tuning(tiny_mode
             quantlab.quantize(tiny_model[0], AutoRoundConfig(bits=4, group_size=32, iters=2, compile=True),
                               calibration=_calib(), progress=False)
     finally:
-        autoround._check_compile.cache_clear()
+        autoround_compile.check_compile.cache_clear()
     assert not tuned
 
 

@@ -53,7 +53,6 @@ work here (a C++ compiler on CPU, triton on CUDA): calibrate() tries it before a
 """
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from contextlib import contextmanager, nullcontext
@@ -75,22 +74,19 @@ from ..calibration.blocks import (
 )
 from ..calibration.streaming import enter_block, leave_block
 from ..core.lifecycle import freeze_all, swap_in_quant_linears
-from ..core.primitives import QParams, code_range, grouped, n_groups, round_ste, ungrouped
+from ..core.primitives import QParams, n_groups
 from ..core.qlinear import QuantLinear, WeightSpec
 from ..core.registry import LayerSelection, Method, register_method
 from ..models.arch import find_blocks
 from ..util.checks import check_choice, check_int
+from .autoround_compile import COMPILE_TOLERANCE, check_compile, compile_disagreement, compiled_forward
+from .autoround_grid import autoround_qdq
 
 log = logging.getLogger(__name__)
 
 FACTOR_RANGE = (0.5, 1.0)  # min/max clip factors
-Q_SCALE_THRESH = 1e-5  # full_range: the reference's least |scale| (its q_scale_thresh)
 OFFSET_RANGE = (-0.5, 0.5)  # rounding offsets V
 TUNING_DTYPES = ("float32", "bfloat16")  # the tuning loop's compute dtype (bfloat16: under torch.autocast)
-# compile = true's check at iteration 0, compiled against eager: the loss's relative difference and each gradient's
-# relative L2 difference. Measured on SmolLM2 blocks: float32 1e-7 / 5e-4, bf16 autocast 2.5e-3 / 2.5e-2 (bf16's own
-# rounding, 2^-8 = 3.9e-3, moved by fusion); a miscompiled gradient (memory never written) is off by O(1).
-COMPILE_TOLERANCE = {"loss": 1e-2, "grad": 0.1}
 
 
 def _check_lr(field: str, value) -> None:
@@ -162,56 +158,6 @@ class AutoRoundConfig:
     @property
     def factor_lr(self) -> float:
         return self.minmax_lr if self.minmax_lr is not None else self.round_lr
-
-
-def full_range_scale(lo: torch.Tensor, hi: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """auto-round 0.16's int_sym scale from a group's clipped range lo <= 0 <= hi: max(-lo, hi) / 2^(b-1), negative
-    unless -lo is the larger (so that end lands on code -2^(b-1)), rounded to dtype, |scale| >= 1e-5.
-
-    >>> full_range_scale(torch.tensor([-1.0]), torch.tensor([2.0]), 4, torch.float16)   # tensor([-0.25])
-    """
-    wmin_abs, wmax_abs = -lo, hi
-    max_v = (2 * (wmax_abs < wmin_abs).int() - 1) * torch.maximum(wmax_abs, wmin_abs)  # as the reference writes it
-    big = torch.finfo(dtype).max  # finite, where the reference would overflow to inf
-    scale = (max_v / 2 ** (bits - 1)).clamp(-big, big).to(dtype)
-    return torch.where(scale < 0, scale.clamp(max=-Q_SCALE_THRESH), scale.clamp(min=Q_SCALE_THRESH))
-
-
-def autoround_qdq(w: torch.Tensor, v: torch.Tensor, min_factor: torch.Tensor, max_factor: torch.Tensor,
-                  spec: WeightSpec, full_range: bool = False) -> tuple[torch.Tensor, QParams]:
-    """W (out, in) on the integer grid of `spec` with rounding offsets v (out, in) and clip factors
-    (out, n_groups): (the dequantized weight, differentiable in v and the factors; its qparams, detached).
-
-    Pure. With v = 0 and factors 1 it is rtn min-max bit for bit: the same float ops as
-    primitives.qparams_from_range / quantize / dequantize. full_range (symmetric spec only): the scale is
-    full_range_scale's, as auto-round's quant_tensor_sym; codes clamp to the same [-2^(b-1), 2^(b-1)-1].
-
-    >>> w_hat, p = autoround_qdq(w, torch.zeros_like(w), torch.ones(32, 2), torch.ones(32, 2), WeightSpec(4, 48, False))
-    """
-    qmin, qmax = code_range(spec.bits, spec.symmetric)
-    wg = grouped(w, spec.group_size)  # (out, n_groups, g), the ragged tail zero-padded
-    vg = grouped(v, spec.group_size)
-    lo = torch.clamp(wg.amin(-1), max=0.0) * min_factor  # (out, n_groups)
-    hi = torch.clamp(wg.amax(-1), min=0.0) * max_factor
-    info = torch.finfo(spec.torch_scale_dtype)
-    if full_range:
-        if not spec.symmetric:
-            raise ValueError(f"full_range needs a symmetric grid, got {spec.describe()}")
-        scale, zero = full_range_scale(lo, hi, spec.bits, spec.torch_scale_dtype), None
-    elif spec.symmetric:
-        scale = (torch.maximum(lo.abs(), hi.abs()) / qmax).clamp(info.tiny, info.max).to(spec.torch_scale_dtype)
-        zero = None
-    else:
-        scale = ((hi - lo) / (qmax - qmin)).clamp(info.tiny, info.max).to(spec.torch_scale_dtype)
-        zero = round_ste(-lo / scale.to(lo.dtype)).clamp(qmin, qmax)
-    s = scale.to(w.dtype).unsqueeze(-1)
-    q = round_ste(wg / s + vg)
-    if zero is not None:
-        q = q + zero.to(w.dtype).unsqueeze(-1)
-    q = torch.clamp(q, qmin, qmax)
-    out = (q - zero.to(w.dtype).unsqueeze(-1)) * s if zero is not None else q * s
-    p = QParams(scale.detach(), None if zero is None else zero.detach().to(torch.int32))
-    return ungrouped(out, w.shape[-1]), p
 
 
 class BlockResult(NamedTuple):
@@ -318,41 +264,6 @@ def _loss(block: nn.Module, inputs: list, targets: list, kwargs: list[dict], idx
     return total
 
 
-@contextmanager
-def _compiled_forward(block: nn.Module):
-    """block.forward under torch.compile (an instance attribute; the block's own forward is back afterwards); yields
-    that eager forward. Inductor rounds to the scale dtype where eager does (emulate_precision_casts): by default it
-    keeps a float16 intermediate in float32, and the grid's scales would then differ from eager's in most groups."""
-    import torch._inductor.config as inductor_config
-
-    own, eager = block.__dict__.get("forward"), block.forward
-    block.forward = torch.compile(eager, dynamic=False)
-    try:
-        with inductor_config.patch(emulate_precision_casts=True):
-            yield eager
-    finally:
-        if own is None:
-            del block.forward
-        else:
-            block.forward = own
-
-
-def compile_disagreement(loss: float, grads: list, eager_loss: float, eager_grads: list) -> dict[str, float]:
-    """compile = true's check: the loss's relative difference and the worst relative L2 difference of a gradient,
-    compiled against eager (a gradient present on one side only counts as 1)."""
-    worst = 0.0
-    for g, e in zip(grads, eager_grads):
-        if g is None and e is None:
-            continue
-        if g is None or e is None:
-            worst = max(worst, 1.0)
-            continue
-        diff = float((g - e).norm() / e.norm()) if float(e.norm()) > 0 else float(g.norm() > 0)
-        worst = max(worst, diff if math.isfinite(diff) else math.inf)
-    rel = abs(loss - eager_loss) / abs(eager_loss) if eager_loss else abs(loss - eager_loss)
-    return {"loss": rel if math.isfinite(rel) else math.inf, "grad": worst}
-
-
 def _full_loss(block, tuned: _Tuned, values: list, inputs: list, targets: list, kwargs: list[dict],
                stack: bool, dtype: str) -> float:
     tuned.load(values)
@@ -372,7 +283,7 @@ def autoround_block(block: nn.Module, inputs: list, targets: list, kwargs: list[
     batch = min(config.batch_size, n)
     stack = all(blocks.same_structure((inputs[0], kwargs[0]), (inputs[i], kwargs[i])) for i in range(n))
     compiled = config.compile and stack and config.iters > 0
-    with tuned.forwards(block), (_compiled_forward(block) if compiled else nullcontext()) as eager_forward:
+    with tuned.forwards(block), (compiled_forward(block) if compiled else nullcontext()) as eager_forward:
         for i in range(config.iters):
             idx = sorted(torch.randperm(n, generator=generator)[:batch].tolist())
             loss = _loss(block, inputs, targets, kwargs, idx, stack, backward=True, dtype=config.dtype)
@@ -446,17 +357,6 @@ def _warn_if_slow_dtype(model, dtype: str) -> None:
                     "as asked", ratio)
 
 
-@functools.cache
-def _check_compile(device_type: str) -> None:
-    """compile = true needs torch.compile to work here (inductor: a C++ compiler on CPU, triton on CUDA): one tiny
-    compiled function, before any block is tuned; raises naming the fix."""
-    try:
-        torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(4, device=device_type))
-    except Exception as err:  # inductor raises its own types (BackendCompilerFailed, InductorError, ...)
-        raise RuntimeError(f"autoround compile = true: torch.compile does not work on {device_type} here ({err}); "
-                           "install a C++ compiler (CPU) or triton (CUDA), or set compile = false") from err
-
-
 @register_method
 class AutoRound(Method):
     name = "autoround"
@@ -478,7 +378,7 @@ class AutoRound(Method):
         quantized (the training inputs with next_inputs = "quantized")."""
         _warn_if_slow_dtype(model, config.dtype)
         if config.compile and config.iters:
-            _check_compile(next(model.parameters()).device.type)
+            check_compile(next(model.parameters()).device.type)
         was_training = model.training
         model.eval()
         inputs, block_kwargs = capture_block_calls(model, batches)  # kwargs per block: sliding-window layers differ
