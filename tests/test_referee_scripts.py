@@ -122,7 +122,7 @@ def test_staged_output_leaves_nothing_when_the_block_fails(tmp_path):
         pass
 
 
-def test_checkpoints_csv_upserts_one_row_per_checkpoint(tmp_path):
+def test_checkpoints_csv_upserts_one_row_per_build(tmp_path):
     folder = tmp_path / "llmcompressor-gptq-w4a16-g64"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"codes")
@@ -140,6 +140,11 @@ def test_checkpoints_csv_upserts_one_row_per_checkpoint(tmp_path):
     assert len(rows) == 1 and rows[0]["wall_s"] == 13.0 and rows[0]["peer_version"] == "0.14.0"
     assert rows[0]["safetensors_sha256"] == "model.safetensors:" + hashlib.sha256(b"codes").hexdigest()
     assert csv_path.read_text().count("\n") == 2
+    (folder / "model.safetensors").write_bytes(b"other codes")  # rebuilt elsewhere: its own row, the first kept
+    rows = record([folder], csv_path)
+    assert [r["safetensors_sha256"].split(":")[1] for r in rows] == sorted(
+        hashlib.sha256(b).hexdigest() for b in (b"codes", b"other codes"))
+    assert csv_path.read_text().count("\n") == 3
 
 
 def test_run_peers_names_are_the_peers_recipes():
@@ -150,14 +155,15 @@ def test_run_peers_names_are_the_peers_recipes():
     assert runs and set(runs) <= known, set(runs) - known
 
 
-def test_the_referee_experiment_scores_checkpoints_run_peers_builds():
-    """Every `method = "checkpoint"` run of experiments/referee_smollm2.toml reads a folder run_peers.sh writes
+@pytest.mark.parametrize("experiment", ["referee_smollm2", "referee_smollm2_full"])
+def test_the_referee_experiment_scores_checkpoints_run_peers_builds(experiment):
+    """Every `method = "checkpoint"` run of the referee's experiments reads a folder run_peers.sh writes
     (~/.cache/quantlab/referee/<run>), under the run's own name, and the peers' windows are the experiment's
     calibration (32 x 512 of the WikiText-2 validation split, seed 0: experiments/smollm2_ptq.toml's)."""
     from quantlab.runs.experiment import load_experiment
 
     runs = set(re.search(r"^RUNS=\(([^)]*)\)", (REFEREE / "run_peers.sh").read_text(), re.MULTILINE).group(1).split())
-    exp = load_experiment(REPO / "experiments" / "referee_smollm2.toml")
+    exp = load_experiment(REPO / "experiments" / f"{experiment}.toml")
     scored = [r for r in exp.runs if r.to_dict()["method"] == "checkpoint"]
     assert scored
     for r in scored:
@@ -165,3 +171,17 @@ def test_the_referee_experiment_scores_checkpoints_run_peers_builds():
         assert path == f"~/.cache/quantlab/referee/{r.name}" and r.name in runs, (r.name, path)
     ptq = load_experiment(REPO / "experiments" / "smollm2_ptq.toml")
     assert (exp.calibration, exp.seed) == (ptq.calibration, ptq.seed)
+
+
+def test_the_whole_split_referee_scores_the_same_checkpoints_and_calibrated_methods():
+    """referee_smollm2_full scores every peer checkpoint referee_smollm2 scores, and quantlab's GPTQ, AWQ,
+    SmoothQuant and importance matrix on the same three calibration draws (the leaderboard's noise floor)."""
+    from quantlab.runs.experiment import load_experiment
+
+    sample, full = (load_experiment(REPO / "experiments" / f"{n}.toml") for n in ("referee_smollm2", "referee_smollm2_full"))
+    peers = [{r.name for r in e.runs if r.to_dict()["method"] == "checkpoint"} for e in (sample, full)]
+    assert peers[0] == peers[1]
+    drawn = ("gptq-w4-g64", "awq-w4-g64", "smoothquant-a0.5-w8a8", "gguf-q4-k-m-imatrix")
+    names = {r.name for r in full.runs}
+    assert {f"{m}-seed{s}" for m in drawn for s in range(3)} <= names
+    assert full.eval.max_windows is None and full.eval.max_tokens is None  # the whole split

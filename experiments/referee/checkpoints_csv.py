@@ -1,10 +1,12 @@
-"""Record finished peer checkpoints in experiments/referee/checkpoints.csv: one row per checkpoint folder.
+"""Record finished peer checkpoints in experiments/referee/checkpoints.csv: one row per checkpoint build.
 
     python3 experiments/referee/checkpoints_csv.py ~/.cache/quantlab/referee/llmcompressor-gptq-w4a16-g64 ...
 
 Stdlib only (any python3). A row comes from the folder itself: its referee_settings.json (peer, recipe, versions,
-wall time, the windows' sha256) and the sha256 and bytes of its safetensors files. A checkpoint's row is replaced
-when it is recorded again; the others stay. Rows are sorted by checkpoint name.
+wall time, the windows' sha256) and the sha256 and bytes of its safetensors files. A checkpoint recorded again with
+the same bytes replaces its row; rebuilt with other bytes (another CPU kind, another amp dtype) it gets a row of its
+own beside the earlier build's, so every build a report's `source_sha256` names stays listed. Rows are sorted by
+checkpoint name, then by the CPU that built them.
 """
 from __future__ import annotations
 
@@ -61,16 +63,17 @@ def checkpoint_row(folder: str | Path) -> dict:
 
 
 def record(folders, csv_path: str | Path = CSV) -> list[dict]:
-    """Upsert the rows of `folders` into csv_path; returns every row written."""
+    """Upsert the rows of `folders` into csv_path, one per (checkpoint, safetensors sha256); returns every row
+    written."""
     csv_path = Path(csv_path)
     rows = {}
     if csv_path.is_file():
         with csv_path.open(newline="") as f:
-            rows = {r["checkpoint"]: r for r in csv.DictReader(f)}
+            rows = {(r["checkpoint"], r["safetensors_sha256"]): r for r in csv.DictReader(f)}
     for folder in folders:
         row = checkpoint_row(folder)
-        rows[row["checkpoint"]] = row
-    ordered = [rows[k] for k in sorted(rows)]
+        rows[row["checkpoint"], row["safetensors_sha256"]] = row
+    ordered = sorted(rows.values(), key=lambda r: (r["checkpoint"], r["cpu"] or "", r["safetensors_sha256"]))
     tmp = csv_path.with_suffix(".csv.tmp")
     with tmp.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
