@@ -115,6 +115,42 @@ def test_dry_run_estimates_from_rows_of_the_same_settings_else_scales_by_step_co
     assert plan_experiment(exp, tmp_path)[0]["est_basis"] == "autoround rows"
 
 
+def test_dry_run_estimates_a_rotation_from_rows_of_its_kind_with_the_time_it_took_to_learn(tmp_path):
+    """A rotated run's estimate: the method's rows with a rotation of its kind, each row's time counting rotate_s
+    (outside quantize_s), a learned rotation's time scaled by its steps and not by its windows a step. It used to
+    put the 8-window SpinQuant row (3290 s learning its rotations) at the median of the method's rows, ~9 min."""
+    import json
+
+    from quantlab.runs.runner import plan_experiment
+
+    gptq = {"method": "gptq", "bits": 4, "group_size": 64}
+    runs = [{"name": "hadamard", "method": "dynamic", "act_bits": 4, "base": gptq, "rotation": {"kind": "hadamard"}},
+            {"name": "spin", "method": "dynamic", "act_bits": 4, "base": gptq, "rotation": {"kind": "spinquant"}},
+            {"name": "spin-8w-200", "method": "dynamic", "act_bits": 4, "base": gptq,
+             "rotation": {"kind": "spinquant", "steps": 200, "windows_per_step": 8}},
+            {"name": "plain", "method": "dynamic", "act_bits": 4, "base": gptq}]
+    exp = parse_experiment({"name": "e", "model": "m", "run": runs}, where="e.toml")
+    configs = {r.name: r.to_dict() for r in exp.runs}
+
+    def row(name, rotate_s):  # GPTQ 80 s, eval 30 s, KL 10 s; the rotation's own time beside them
+        learned = {"rotate_s": rotate_s} if rotate_s else {}
+        return {"run_key": name, "method": "dynamic", "config": json.dumps(configs[name]), "calibrate_s": 80.0,
+                "quantize_s": 80.0, "eval_s": 30.0, "kl_reference_s": 10.0, **learned}
+
+    rows = [row("hadamard", 2.0), row("spin", 1000.0), row("plain", None)]
+    (tmp_path / "e.results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plan = {p["run"]: p for p in plan_experiment(exp, tmp_path)}
+    assert (plan["spin"]["est_s"], plan["spin"]["est_basis"]) == (1120.0, "same settings")  # rotate_s counted
+    # 200 steps of 8 windows against the row's 100 of 1: its rotation's 1000 s twice, the rest as it was
+    assert plan["spin-8w-200"]["est_s"] == 2120.0
+    assert plan["spin-8w-200"]["est_basis"] == "dynamic rows with a spinquant rotation, rotation steps scaled"
+    rows = [row("hadamard", 2.0), row("plain", None)]  # none of its kind: the method's rows (122, 120), unscaled
+    (tmp_path / "e.results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plan = {p["run"]: p for p in plan_experiment(exp, tmp_path)}
+    # the upper median of 122 and 120; the row without a rotation is not "same settings"
+    assert (plan["spin-8w-200"]["est_s"], plan["spin-8w-200"]["est_basis"]) == (122.0, "dynamic rows")
+
+
 def test_execution_and_a_formats_sweep_round_trip_through_toml():
     import tomllib
 

@@ -9,10 +9,12 @@ import json
 import logging
 from pathlib import Path
 
-from ..core.registry import get_method, non_default_fields
+from ..core.extras import extras_to_dict
+from ..core.registry import field_defaults, get_method, non_default_fields
 from ..models.loading import resolve_device
 from ..reporting.report import scheme, write_report
 from ..reporting.results import append_row, read_rows, results_lock
+from ..transforms.rotation import RotationConfig
 from .context import EvalContext
 from .envinfo import environment
 from .evaluate import evaluate_run, result_row, run_key
@@ -64,7 +66,9 @@ def plan_experiment(exp: Experiment, reports_dir: str | Path = "reports") -> lis
     plan = []
     for run in exp.runs:
         method = get_method(run.config)
-        est_s, basis = _estimate(run.to_dict(), timed, set(non_default_fields(run.config)))
+        # a run's extras (rotation, kv_cache, ...) are its settings too: a row without them is not the same
+        changed = set(non_default_fields(run.config)) | set(extras_to_dict(run.extras))
+        est_s, basis = _estimate(run.to_dict(), timed, changed)
         plan.append({"run": run.name, "method": method.name, "scheme": scheme(run.to_dict(), exp.dtype),
                      "calibrates": method.needs_calibration_for(run.config),
                      "trains": method.needs_training_for(run.config), "backend": run.backend,
@@ -79,11 +83,13 @@ _WORK_STEPS = {"autoround": "iters", "qat": "steps", "lora": "steps"}
 
 def _timed_rows(rows: list[dict]) -> list[tuple[dict, dict, float]]:
     """(config, row, seconds) of each finished row with an evaluation time, parsed once: seconds is the row's own
-    work, quantize (calibration and training included), evaluation and the KL reference."""
+    work, quantize (calibration and training included), a rotation's learning (rotate_s, outside quantize_s),
+    evaluation and the KL reference."""
     timed = []
     for r in rows:
         if isinstance(r.get("eval_s"), (int, float)):
-            seconds = sum(r[k] for k in ("quantize_s", "eval_s", "kl_reference_s") if isinstance(r.get(k), (int, float)))
+            seconds = sum(r[k] for k in ("quantize_s", "rotate_s", "eval_s", "kl_reference_s")
+                          if isinstance(r.get(k), (int, float)))
             timed.append((json.loads(r["config"]) if isinstance(r.get("config"), str) else {}, r, seconds))
     return timed
 
@@ -94,8 +100,11 @@ def _estimate(cfg: dict, timed: list[tuple[dict, dict, float]], changed: set[str
     field a row lacks, one added since it ran, counts as its default there, so it matches unless the run sets it
     (`changed`: the run's non-default fields)); else the median of its method's
     rows, each row's calibration and training time scaled by the run's step count over the row's where the method
-    has one (AutoRound's iters, QAT's and LoRA's steps: 200 iterations take about 4x a 50-iteration row); None
-    without a timed row of the method."""
+    has one (AutoRound's iters, QAT's and LoRA's steps: 200 iterations take about 4x a 50-iteration row). A run with
+    a rotation counts only the method's rows with a rotation of its kind, where there are any (a row's time includes
+    learning its rotation, rotate_s), and a learned rotation's time scales with its steps, not with its windows a
+    step: SpinQuant's steps cost much the same at 1 and 8 windows (1932 s and 3290 s for 100 steps on SmolLM2, 2-core
+    Xeon); None without a timed row of the method."""
     def same_settings(c: dict) -> bool:
         return all(c[k] == cfg[k] if k in c else k not in changed for k in set(cfg) - {"name", "seed"})
 
@@ -103,17 +112,42 @@ def _estimate(cfg: dict, timed: list[tuple[dict, dict, float]], changed: set[str
     same = sorted(s for c, _, s in timed if same_settings(c))
     if same:
         return same[len(same) // 2], "same settings"
+    kind = _rotation_kind(cfg)
+    rotated = [t for t in timed if _rotation_kind(t[0]) == kind]
+    basis = f"{cfg['method']} rows" + (f" with a {kind} rotation" if kind and rotated else "")
+    timed = rotated if kind and rotated else timed
     if not timed:
         return None, None
-    field, scaled, times = _WORK_STEPS.get(cfg["method"]), False, []
+    field, scaled, times = _WORK_STEPS.get(cfg["method"]), [], []
     for c, r, seconds in timed:
         mine, theirs = cfg.get(field), c.get(field)
         if field and isinstance(mine, int) and isinstance(theirs, int) and theirs > 0 and mine != theirs:
             work = sum(r[k] for k in ("calibrate_s", "train_s") if isinstance(r.get(k), (int, float)))
-            seconds, scaled = seconds + work * (mine / theirs - 1), True
+            seconds = seconds + work * (mine / theirs - 1)
+            scaled.append(field)
+        mine, theirs = _rotation_steps(cfg), _rotation_steps(c)
+        if mine and theirs and mine != theirs and isinstance(r.get("rotate_s"), (int, float)):
+            seconds = seconds + r["rotate_s"] * (mine / theirs - 1)
+            scaled.append("rotation steps")
         times.append(seconds)
     times.sort()
-    return times[len(times) // 2], f"{cfg['method']} rows, {field} scaled" if scaled else f"{cfg['method']} rows"
+    scaled = list(dict.fromkeys(scaled))
+    return times[len(times) // 2], f"{basis}, {' and '.join(scaled)} scaled" if scaled else basis
+
+
+def _rotation_kind(cfg: dict) -> str | None:
+    rotation = cfg.get("rotation")
+    return rotation.get("kind") if isinstance(rotation, dict) else None
+
+
+def _rotation_steps(cfg: dict) -> int | None:
+    """A learned rotation's optimiser steps (SpinQuant's Cayley SGD); None for a fixed one. A field the row lacks
+    is its default."""
+    rotation = cfg.get("rotation")
+    if not isinstance(rotation, dict) or rotation.get("kind") != "spinquant":
+        return None
+    steps = rotation.get("steps", field_defaults(RotationConfig)["steps"])
+    return steps if isinstance(steps, int) else None
 
 
 def _check_executor_and_reports_dir(executor: str, address: str | None, reports_dir) -> Path:
