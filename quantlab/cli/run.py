@@ -1,6 +1,7 @@
 """`quantlab run`, `quantlab report`, `quantlab compare`: experiments and their reports.
 
     quantlab run experiments/smollm2_quickstart.toml [--full] [--force] [--wait [--wait-timeout S]] [--dry-run]
+    quantlab run experiments/referee_smollm2_full.toml --only fp32 gptq-w4-g64 [--force]
     quantlab run experiments/grid.toml --executor ray [--address auto|HOST:PORT]
     quantlab report reports/smollm2_quickstart.results.jsonl [--out DIR]
     quantlab compare A.csv B.csv [--out diff.md]
@@ -24,10 +25,15 @@ def cmd_run(args) -> int:
         exp = dataclasses.replace(exp, name=f"{exp.name}_full", eval=exp.eval.unbounded())
     if args.device:
         exp = dataclasses.replace(exp, device=args.device)
+    if args.only is not None:
+        from ..runs.runner import select_runs
+
+        select_runs(exp, args.only)  # an unknown name fails here, listing the runs, before anything loads
     if args.dry_run:
         return _dry_run(exp, args.reports_dir)
     df = run_experiment(exp, args.reports_dir, args.force, args.data_dir, args.cache_dir, progress=not args.quiet,
-                        wait=args.wait, wait_timeout_s=args.wait_timeout, executor=args.executor, address=args.address)
+                        wait=args.wait, wait_timeout_s=args.wait_timeout, executor=args.executor, address=args.address,
+                        only=args.only)
     print(f"wrote {args.reports_dir}/{exp.name}.csv and .md ({len(df)} rows)")
     cols = [c for c in ("run", "scheme", "ppl", "ppl_delta_pct", "kl_mean", "weight_mib", "bits_per_weight") if c in df]
     print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
@@ -143,7 +149,10 @@ def add_commands(sub) -> None:
     """Register run / report / compare / export on the main parser's subparsers."""
     p = sub.add_parser("run", help="run an experiment file and write reports/<name>.csv/.md")
     p.add_argument("experiment")
-    p.add_argument("--force", action="store_true", help="rerun runs already in the results file")
+    p.add_argument("--force", action="store_true", help="rerun runs already in the results file (with --only: those)")
+    p.add_argument("--only", nargs="+", metavar="RUN",
+                   help="run only these runs (a run's name, or a seeded run's name for all its draws); the report "
+                        "still covers every run with a row")
     p.add_argument("--dry-run", action="store_true", help="print the expanded run list and the work; load nothing")
     p.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="local: one run after another in this process (default); ray: one Ray task per run")

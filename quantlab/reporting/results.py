@@ -15,7 +15,7 @@ import os
 import socket
 import stat
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from ..util.checks import read_utf8
@@ -75,6 +75,32 @@ def append_row(path: Path, row: dict) -> None:
     with os.fdopen(fd, "a", encoding="utf-8") as f:
         f.write(json.dumps(row, default=str) + "\n")
         f.flush()
+
+
+def drop_rows(path: Path, run_keys: set[str]) -> int:
+    """Rewrite the results file without the rows of `run_keys` (their runs are then redone); the other rows stay
+    byte for byte, the file replaced in one rename. Returns how many rows went. Call it holding results_lock."""
+    if not path.exists():
+        return 0
+    lines = read_utf8(path).splitlines(keepends=True)
+    kept = [line for line in lines if not line.strip() or _row_key(line) not in run_keys]
+    if len(kept) == len(lines):
+        return 0
+    tmp = path.with_name(path.name + ".tmp")
+    fd = _open_no_follow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "results file")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+def _row_key(line: str) -> str | None:
+    try:
+        return json.loads(line).get("run_key")
+    except json.JSONDecodeError:  # a line cut short by a crash stays: read_rows skips it
+        return None
 
 
 # ---- one writer per results file ---------------------------------------------------------
@@ -171,7 +197,7 @@ def _acquire(lock: Path, wait: bool, timeout_s: float | None, poll_s: float, rep
         time.sleep(poll_s if timeout_s is None else max(0.0, min(poll_s, timeout_s - waited)))
     _take_over_if_stale(lock)
     stamp = {"pid": os.getpid(), "host": socket.gethostname(),
-             "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+             "started": datetime.now(UTC).isoformat(timespec="seconds")}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(stamp).encode(), 0)
     return fd

@@ -13,7 +13,7 @@ from ..core.extras import extras_to_dict
 from ..core.registry import field_defaults, get_method, non_default_fields
 from ..models.loading import resolve_device
 from ..reporting.report import scheme, write_report
-from ..reporting.results import append_row, read_rows, results_lock
+from ..reporting.results import append_row, drop_rows, read_rows, results_lock
 from ..transforms.rotation import RotationConfig
 from .context import EvalContext
 from .envinfo import environment
@@ -173,12 +173,29 @@ def _check_executor_and_reports_dir(executor: str, address: str | None, reports_
     return reports_dir
 
 
+def select_runs(exp: Experiment, only) -> list[RunSpec]:
+    """The runs `only` names: a run's name, or the name of a run with `seeds` for all its draws ("gptq-w4" for
+    "gptq-w4-seed0", ...); None: every run. A name the experiment lacks raises, listing the ones it has."""
+    if only is None:
+        return list(exp.runs)
+    only = list(only)
+    known = list(dict.fromkeys(n for r in exp.runs for n in (r.group, r.name) if n))
+    unknown = [n for n in only if n not in known]
+    if unknown or not only:
+        raise ValueError(f"{exp.name}: --only names no run called {', '.join(map(repr, unknown)) or 'anything'}; "
+                         f"its runs: {', '.join(known)}")
+    return [r for r in exp.runs if r.name in only or r.group in only]
+
+
 def run_experiment(
     exp: Experiment, reports_dir: str | Path = "reports", force: bool = False, data_dir=None, cache_dir=None,
     progress: bool = True, wait: bool = False, wait_timeout_s: float | None = None, executor: str = "local",
-    address: str | None = None,
+    address: str | None = None, only=None,
 ):
     """Run every pending run of `exp`, then write reports/<name>.csv and .md. Returns the DataFrame.
+
+    only: run names (select_runs) to run, the others left as they are (done or not); force then reruns only
+    those. The report covers every run with a row either way.
 
     One process at a time per results file: another one running the same experiment makes this one
     fail at once (ResultsLocked, naming its PID), or with wait=True wait for it (up to wait_timeout_s).
@@ -186,16 +203,21 @@ def run_experiment(
     listing the failures is raised after the report is written (no report when every run failed). executor "ray":
     each pending run is a Ray task on the cluster at `address` (None: a local Ray), see runs/ray_executor.py.
     """
+    chosen = select_runs(exp, only)
     reports_dir = _check_executor_and_reports_dir(executor, address, reports_dir)
     results = reports_dir / f"{exp.name}.results.jsonl"
     with results_lock(results, wait=wait, timeout_s=wait_timeout_s):
-        if force and results.exists():
-            results.unlink()
         device = resolve_device(exp.device)
+        if force and results.exists():
+            if only is None:
+                results.unlink()
+            else:
+                drop_rows(results, {run_key(exp, r, device) for r in chosen})
         done = {r["run_key"] for r in read_rows(results)}
-        pending = [r for r in exp.runs if run_key(exp, r, device) not in done]
-        log.info("%s: %d runs, %d already done, %d to run", exp.name, len(exp.runs), len(exp.runs) - len(pending),
-                 len(pending))
+        pending = [r for r in chosen if run_key(exp, r, device) not in done]
+        log.info("%s: %d runs, %d already done, %d to run%s", exp.name, len(exp.runs),
+                 sum(run_key(exp, r, device) in done for r in exp.runs), len(pending),
+                 f" (--only {len(chosen)} of them)" if only is not None else "")
         preflight(exp, pending, cache_dir)  # what the model's config alone refuses, before any weights load
         if not pending:
             failures = []
