@@ -13,7 +13,7 @@ from quantlab.core.lifecycle import quant_linears
 from quantlab.core.primitives import fake_quantize, grouped
 from quantlab.core.qlinear import QuantLinear, WeightSpec
 from quantlab.core.registry import non_default_fields
-from quantlab.methods import autoround, autoround_compile
+from quantlab.methods import autoround, autoround_compile, autoround_grid
 from quantlab.methods.autoround import AutoRoundConfig, autoround_qdq
 from quantlab.methods.autoround_grid import full_range_scale
 
@@ -126,6 +126,33 @@ def test_qdq_gradients_reach_offsets_and_factors():
     w_hat, _ = autoround_qdq(w, v, lo, hi, WeightSpec(4, 32, False))
     (w_hat - w).pow(2).sum().backward()
     assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in (v, lo, hi))
+
+
+@pytest.mark.parametrize("symmetric,full_range", [(False, False), (True, False), (True, True)])
+def test_the_ragged_group_apart_under_compile_gives_the_padded_forms_values(monkeypatch, symmetric, full_range):
+    """Traced by torch.compile, autoround_qdq computes a ragged last group apart rather than zero-padded (inductor
+    miscompiles the padded form's gradient). Run eagerly with is_compiling() true, that form gives the padded form's
+    weight, scales and zeros bit for bit, and its gradients to float32 round-off (sums over fewer zeros)."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 72, generator=gen)  # g32: two whole groups and one of 8
+    spec = WeightSpec(4, 32, symmetric, "float16")
+    start = [torch.rand(24, 72, generator=gen) - 0.5, 0.5 + 0.5 * torch.rand(24, 3, generator=gen),
+             0.5 + 0.5 * torch.rand(24, 3, generator=gen)]
+    r = torch.randn(24, 72, generator=gen)
+    results = []
+    for compiling in (False, True):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda c=compiling: c)
+        if compiling:  # the form apart pads nothing
+            monkeypatch.setattr(autoround_grid, "grouped", lambda *a: pytest.fail("padded while compiling"))
+        v, lo, hi = (t.clone().requires_grad_() for t in start)
+        w_hat, p = autoround_qdq(w, v, lo, hi, spec, full_range)
+        (w_hat * r).sum().backward()
+        results.append((w_hat.detach(), p, [t.grad for t in (v, lo, hi)]))
+    (padded, p0, g0), (apart, p1, g1) = results
+    assert torch.equal(apart, padded) and torch.equal(p1.scale, p0.scale)
+    assert (p0.zero is None and p1.zero is None) if symmetric else torch.equal(p1.zero, p0.zero)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("bits,group_size,symmetric", [(4, 32, False), (3, 40, False), (4, None, True)])
@@ -440,16 +467,20 @@ def test_compile_disagreement_measures_loss_and_gradients():
     assert autoround_compile.compile_disagreement(1.0, [None, None], 1.0, g)["grad"] == 1.0  # a gradient gone
 
 
-@pytest.mark.slow  # inductor compiles the tiny block's forward and backward, ~30 s
-def test_compile_tunes_through_inductor_and_never_loses_to_rtn(tiny_model_dir, monkeypatch):
+@pytest.mark.slow  # inductor compiles the tiny block's forward and backward, ~30 s a case
+@pytest.mark.parametrize("group_size,dtype", [(32, "float32"), (48, "bfloat16")])
+def test_compile_tunes_through_inductor_and_never_loses_to_rtn(tiny_model_dir, monkeypatch, group_size, dtype):
     """compile = true with torch.compile itself: every block passes its check and is tuned compiled; the kept
     iterate still never loses to rtn; the codes agree with an eager run's on all but a few weights (sign steps where a
-    factor's gradient is ~0 can go either way: at most 1% of the codes here)."""
+    factor's gradient is ~0 can go either way: at most 1% of the codes here). Group 48 leaves the 64-wide layers a
+    ragged last group: zero-padded and sliced off, torch 2.13's inductor gave it a gradient of memory never written
+    (a non-finite loss under bf16 autocast, so every block fell back to eager); autoround_qdq computes it apart
+    when compiled."""
     records = _spy(monkeypatch)
     codes, diags = [], []
     for compile_ in (False, True):
         model, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
-        cfg = AutoRoundConfig(bits=3, group_size=32, iters=10, batch_size=2, compile=compile_)
+        cfg = AutoRoundConfig(bits=3, group_size=group_size, iters=10, batch_size=2, compile=compile_, dtype=dtype)
         diags.append(quantlab.quantize(model, cfg, calibration=_calib(), progress=False)["diagnostics"])
         codes.append(torch.cat([m.qweight.flatten().float() for m in quant_linears(model).values()]))
     assert diags[1]["autoround_compiled_blocks"] == 2 and diags[1]["autoround_loss_ratio_max"] <= 1

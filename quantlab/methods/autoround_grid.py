@@ -32,17 +32,42 @@ def autoround_qdq(w: torch.Tensor, v: torch.Tensor, min_factor: torch.Tensor, ma
     primitives.qparams_from_range / quantize / dequantize. full_range (symmetric spec only): the scale is
     full_range_scale's, as auto-round's quant_tensor_sym; codes clamp to the same [-2^(b-1), 2^(b-1)-1].
 
+    Traced by torch.compile (compile = true), a ragged last group is computed apart from the whole ones and
+    concatenated, rather than zero-padded and sliced off: torch 2.13's inductor returns memory never written for
+    the padded group's gradient (pad, reshape, a broadcast multiply, reshape, slice). The same values either way
+    (a zero pad never changes a group's zero-including [min, max]); eager keeps the padded form.
+
     >>> w_hat, p = autoround_qdq(w, torch.zeros_like(w), torch.ones(32, 2), torch.ones(32, 2), WeightSpec(4, 48, False))
     """
+    if full_range and not spec.symmetric:
+        raise ValueError(f"full_range needs a symmetric grid, got {spec.describe()}")
+    k, g = w.shape[-1], spec.group_size or w.shape[-1]
+    whole = k // g * g
+    if whole not in (0, k) and torch.compiler.is_compiling():
+        head = _qdq_groups(w[..., :whole].reshape(*w.shape[:-1], -1, g), v[..., :whole].reshape(*v.shape[:-1], -1, g),
+                           min_factor[..., :-1], max_factor[..., :-1], spec, full_range)
+        tail = _qdq_groups(w[..., whole:].unsqueeze(-2), v[..., whole:].unsqueeze(-2), min_factor[..., -1:],
+                           max_factor[..., -1:], spec, full_range)
+        with torch.autocast(w.device.type, enabled=False):  # CPU autocast's cat refuses float16 scales
+            out = torch.cat([head[0].flatten(-2), tail[0].flatten(-2)], dim=-1)
+            scale = torch.cat([head[1], tail[1]], dim=-1)
+            zero = None if head[2] is None else torch.cat([head[2], tail[2]], dim=-1)
+    else:
+        outg, scale, zero = _qdq_groups(grouped(w, spec.group_size), grouped(v, spec.group_size), min_factor,
+                                        max_factor, spec, full_range)  # the ragged tail zero-padded
+        out = ungrouped(outg, k)
+    return out, QParams(scale.detach(), None if zero is None else zero.detach().to(torch.int32))
+
+
+def _qdq_groups(wg: torch.Tensor, vg: torch.Tensor, min_factor: torch.Tensor, max_factor: torch.Tensor,
+                spec: WeightSpec, full_range: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """autoround_qdq on grouped (out, n_groups, g) tensors: (the dequantized groups, the scales, the zero points or
+    None)."""
     qmin, qmax = code_range(spec.bits, spec.symmetric)
-    wg = grouped(w, spec.group_size)  # (out, n_groups, g), the ragged tail zero-padded
-    vg = grouped(v, spec.group_size)
     lo = torch.clamp(wg.amin(-1), max=0.0) * min_factor  # (out, n_groups)
     hi = torch.clamp(wg.amax(-1), min=0.0) * max_factor
     info = torch.finfo(spec.torch_scale_dtype)
     if full_range:
-        if not spec.symmetric:
-            raise ValueError(f"full_range needs a symmetric grid, got {spec.describe()}")
         scale, zero = full_range_scale(lo, hi, spec.bits, spec.torch_scale_dtype), None
     elif spec.symmetric:
         scale = (torch.maximum(lo.abs(), hi.abs()) / qmax).clamp(info.tiny, info.max).to(spec.torch_scale_dtype)
@@ -50,11 +75,10 @@ def autoround_qdq(w: torch.Tensor, v: torch.Tensor, min_factor: torch.Tensor, ma
     else:
         scale = ((hi - lo) / (qmax - qmin)).clamp(info.tiny, info.max).to(spec.torch_scale_dtype)
         zero = round_ste(-lo / scale.to(lo.dtype)).clamp(qmin, qmax)
-    s = scale.to(w.dtype).unsqueeze(-1)
+    s = scale.to(wg.dtype).unsqueeze(-1)
     q = round_ste(wg / s + vg)
     if zero is not None:
-        q = q + zero.to(w.dtype).unsqueeze(-1)
+        q = q + zero.to(wg.dtype).unsqueeze(-1)
     q = torch.clamp(q, qmin, qmax)
-    out = (q - zero.to(w.dtype).unsqueeze(-1)) * s if zero is not None else q * s
-    p = QParams(scale.detach(), None if zero is None else zero.detach().to(torch.int32))
-    return ungrouped(out, w.shape[-1]), p
+    out = (q - zero.to(wg.dtype).unsqueeze(-1)) * s if zero is not None else q * s
+    return out, scale, zero
