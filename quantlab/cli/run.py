@@ -25,11 +25,11 @@ def cmd_run(args) -> int:
         exp = dataclasses.replace(exp, name=f"{exp.name}_full", eval=exp.eval.unbounded())
     if args.device:
         exp = dataclasses.replace(exp, device=args.device)
-    if args.only is not None:
-        from ..runs.runner import select_runs
-
-        select_runs(exp, args.only)  # an unknown name fails here, listing the runs, before anything loads
     if args.dry_run:
+        if args.only is not None:  # run_experiment checks --only itself; a dry run refuses an unknown name too
+            from ..runs.runner import select_runs
+
+            select_runs(exp, args.only)
         return _dry_run(exp, args.reports_dir)
     df = run_experiment(exp, args.reports_dir, args.force, args.data_dir, args.cache_dir, progress=not args.quiet,
                         wait=args.wait, wait_timeout_s=args.wait_timeout, executor=args.executor, address=args.address,

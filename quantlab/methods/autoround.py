@@ -43,10 +43,9 @@ enable_torch_compile, on by default). Its values are the eager ones up to the or
 sign steps can part from an eager run's where a gradient is near 0. Each block checks itself at iteration 0: the
 compiled loss and gradients against an eager forward and backward on the same windows (COMPILE_TOLERANCE), and
 iteration 0 takes the eager ones. A block that disagrees is tuned eager, the run warns, and the row counts the compiled
-blocks (a ragged last group is computed apart when compiled: torch 2.13's inductor miscompiled the zero-padded form,
-autoround_grid.autoround_qdq). The full-set check and the handed-over
-weights are always eager, and so are blocks whose windows differ in shape (no stacking). It needs torch.compile to
-work here (a C++ compiler on CPU, triton on CUDA): calibrate() tries it before any block is tuned.
+blocks (a ragged last group is computed apart when compiled: autoround_grid.autoround_qdq). The full-set check and the
+handed-over weights are always eager, and so are blocks whose windows differ in shape (no stacking). It needs
+torch.compile to work here (a C++ compiler on CPU, triton on CUDA): calibrate() tries it before any block is tuned.
 
 >>> cfg = make_config({"method": "autoround", "bits": 4, "group_size": 64, "iters": 200})
 >>> quantlab.quantize(model, cfg, calibration=calib)["diagnostics"]["autoround_loss_reduction_mean"]
