@@ -250,3 +250,24 @@ def test_mixed_keeps_every_comment_and_the_formatting(tmp_path, capsys):
     plan = {o.pattern: o.bits for o in exp_loaded.runs[1].config.overrides}
     assert exp_loaded.runs[1].config.bits == 2 and plan == {"model.layers.0.mlp.down_proj": 8}  # the costlier KL
     assert "wrote" in capsys.readouterr().out
+
+
+
+def test_export_runs_from_the_command_line_and_writes_what_the_library_writes(exp_file, tmp_path, capsys):
+    """`quantlab export --format compressed-tensors` (the command once parsed but had nothing to call): exit 0, the
+    one-line summary, and the bytes export_run writes for the same run (reference; the export is deterministic). An
+    unknown run fails in one line, before anything loads. The GGUF form: tests/test_gguf.py."""
+    from quantlab.runs.export import export_run
+
+    cli, lib = tmp_path / "cli", tmp_path / "lib"
+    assert main(["-q", "export", str(exp_file), str(cli), "--run", "gptq-w4", "--format", "compressed-tensors"]) == 0
+    assert re.match(rf"wrote {re.escape(str(cli))} \(.* MiB\): \d+ w4 g16 sym \(pack-quantized\); left float: lm_head",
+                    capsys.readouterr().out)
+    export_run(load_experiment(exp_file), "gptq-w4", lib, "compressed-tensors", progress=False)
+    assert sorted(p.name for p in cli.iterdir()) == sorted(p.name for p in lib.iterdir())
+    assert list(lib.glob("*.safetensors"))
+    for path in lib.glob("*.safetensors"):
+        assert (cli / path.name).read_bytes() == path.read_bytes()
+    assert main(["-q", "export", str(exp_file), str(tmp_path / "x"), "--run", "nope"]) == 1
+    assert "has no run 'nope'; its runs: fp32, gptq-w4" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -190,3 +190,21 @@ def test_int_g32_grids_export_as_q4_0_and_q8_0_exactly(source, tmp_path):
         layer = model.model.layers[1].mlp.up_proj
         assert f.tensors["blk.1.ffn_up.weight"].type == kind
         assert torch.equal(f.tensors["blk.1.ffn_up.weight"].floats(), layer.quantized_weight(torch.float32))
+
+
+def test_quantlab_export_from_the_command_line_writes_llama_cpps_q4_k_m(float_file, llama_q4km, tmp_path, capsys):
+    """`quantlab export EXP OUT.gguf --run NAME` end to end (the command once parsed but had nothing to call): a
+    `gguf` Q4_K_M run of the float GGUF, written by the CLI, holds llama.cpp's own Q4_K_M file's tensors, type and
+    bytes, for every tensor (reference: llama.cpp's quantizer on the same float file)."""
+    from quantlab.cli import main
+
+    exp = tmp_path / "exp.toml"
+    exp.write_text(f'name = "cli_gguf"\nmodel = "{float_file}"\ndevice = "cpu"\n'
+                   '[eval]\nseq_len = 256\n[[run]]\nname = "q4km"\nmethod = "gguf"\ntype = "Q4_K_M"\n')
+    out = tmp_path / "cli-q4_k_m.gguf"
+    assert main(["-q", "export", str(exp), str(out), "--run", "q4km"]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {out} (")
+    ours, theirs = read_gguf(out), read_gguf(llama_q4km[0])
+    assert set(ours.tensors) == set(theirs.tensors)
+    for g, t in theirs.tensors.items():
+        assert ours.tensors[g].type == t.type and np.array_equal(ours.tensors[g].raw, t.raw), g

@@ -192,3 +192,4 @@ def add_commands(sub) -> None:
     p.add_argument("--requantize", metavar="TYPE", default=None,
                    help="quantize layers whose grid has no GGUF type to this llama.cpp type (q4_k, q8_0, ...); "
                         "the file lists them under quantlab.requantized")
+    p.set_defaults(func=cmd_export)
