@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import logging
 import math
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -73,18 +73,16 @@ from ..calibration.blocks import (
 )
 from ..calibration.streaming import enter_block, leave_block
 from ..core.lifecycle import freeze_all, swap_in_quant_linears
-from ..core.primitives import QParams, n_groups
-from ..core.qlinear import QuantLinear, WeightSpec
+from ..core.qlinear import WeightSpec
 from ..core.registry import LayerSelection, Method, register_method
 from ..models.arch import find_blocks
 from ..util.checks import check_choice, check_int
 from .autoround_compile import COMPILE_TOLERANCE, check_compile, compile_disagreement, compiled_forward
-from .autoround_grid import autoround_qdq
+from .autoround_grid import autoround_qdq  # noqa: F401  (re-exported: tests, research code)
+from .autoround_state import TunedLayers
 
 log = logging.getLogger(__name__)
 
-FACTOR_RANGE = (0.5, 1.0)  # min/max clip factors
-OFFSET_RANGE = (-0.5, 0.5)  # rounding offsets V
 TUNING_DTYPES = ("float32", "bfloat16")  # the tuning loop's compute dtype (bfloat16: under torch.autocast)
 
 
@@ -167,75 +165,6 @@ class BlockResult(NamedTuple):
     compiled: bool = False  # compile = true, and the block's compiled forward passed its check (tuned compiled)
 
 
-class _Tuned:
-    """The trainable state of one block's layers: V and the two clip factors per layer."""
-
-    def __init__(self, layers: dict[str, QuantLinear], minmax: bool, full_range: bool = False):
-        self.layers, self.full_range = layers, full_range
-        self.w = {n: m.weight.detach().float() for n, m in layers.items()}
-        self.v = {n: torch.zeros_like(w, requires_grad=True) for n, w in self.w.items()}
-        shapes = {n: (w.shape[0], n_groups(w.shape[1], layers[n].spec.group_size)) for n, w in self.w.items()}
-        self.lo = {n: torch.ones(s, device=self.w[n].device, requires_grad=minmax) for n, s in shapes.items()}
-        self.hi = {n: torch.ones(s, device=self.w[n].device, requires_grad=minmax) for n, s in shapes.items()}
-
-    def qdq(self, name: str) -> tuple[torch.Tensor, QParams]:
-        return autoround_qdq(self.w[name], self.v[name], self.lo[name], self.hi[name], self.layers[name].spec,
-                             self.full_range)
-
-    def params(self) -> list[torch.Tensor]:
-        return [t for d in (self.v, self.lo, self.hi) for t in d.values()]
-
-    def take_grads(self) -> list[torch.Tensor | None]:
-        """The parameters' gradients, which are cleared."""
-        grads = [p.grad for p in self.params()]
-        for p in self.params():
-            p.grad = None
-        return grads
-
-    def snapshot(self) -> list[torch.Tensor]:
-        return [t.detach().clone() for t in self.params()]
-
-    @torch.no_grad()
-    def load(self, values: list[torch.Tensor]) -> None:
-        for t, value in zip(self.params(), values):
-            t.copy_(value)
-
-    @torch.no_grad()
-    def sign_step(self, round_lr: float, factor_lr: float) -> None:
-        """p -= lr·sign(grad), then each parameter back into its range."""
-        for params, lr, (lo, hi) in ((self.v, round_lr, OFFSET_RANGE), (self.lo, factor_lr, FACTOR_RANGE),
-                                     (self.hi, factor_lr, FACTOR_RANGE)):
-            for p in params.values():
-                if p.grad is not None:
-                    p.sub_(lr * p.grad.sign()).clamp_(lo, hi)
-                    p.grad = None
-
-    @contextmanager
-    def forwards(self, block: nn.Module):
-        """The block's layers multiply by their tuned grid weight (an instance override of quantized_weight, so
-        QuantLinear's input transforms still run); the block's own parameters take no gradient."""
-        frozen = [(p, p.requires_grad) for p in block.parameters()]
-        for name, layer in self.layers.items():
-            layer.quantized_weight = lambda dtype=None, name=name: self.qdq(name)[0].to(dtype or torch.float32)
-        try:
-            for p, _ in frozen:
-                p.requires_grad_(False)
-            yield
-        finally:
-            for layer in self.layers.values():
-                layer.__dict__.pop("quantized_weight", None)
-            for p, flag in frozen:
-                p.requires_grad_(flag)
-
-    @torch.no_grad()
-    def apply(self) -> None:
-        """Hand the current iterate to the layers: grid weight + fixed qparams (freeze packs its codes)."""
-        for name, layer in self.layers.items():
-            w_hat, p = self.qdq(name)
-            layer.weight.data.copy_(w_hat.to(layer.weight.dtype))
-            layer.fixed_qparams = p
-
-
 def _compute(block: nn.Module, dtype: str):
     """The tuning loop's forward context: bf16 autocast on the block's device, or nothing for float32."""
     if dtype == "float32":
@@ -263,7 +192,7 @@ def _loss(block: nn.Module, inputs: list, targets: list, kwargs: list[dict], idx
     return total
 
 
-def _full_loss(block, tuned: _Tuned, values: list, inputs: list, targets: list, kwargs: list[dict],
+def _full_loss(block, tuned: TunedLayers, values: list, inputs: list, targets: list, kwargs: list[dict],
                stack: bool, dtype: str) -> float:
     tuned.load(values)
     return _loss(block, inputs, targets, kwargs, list(range(len(inputs))), stack, backward=False, dtype=dtype)
@@ -275,7 +204,7 @@ def autoround_block(block: nn.Module, inputs: list, targets: list, kwargs: list[
     layers = prepared_linears(block)
     if not layers:
         return None
-    tuned = _Tuned(layers, config.enable_minmax_tuning, config.full_range)
+    tuned = TunedLayers(layers, config.enable_minmax_tuning, config.full_range)
     rtn = best = tuned.snapshot()
     rtn_loss = best_loss = None
     best_iter, fell_back, n = 0, False, len(inputs)
@@ -305,7 +234,7 @@ def autoround_block(block: nn.Module, inputs: list, targets: list, kwargs: list[
     return BlockResult(rtn_loss, best_loss, best_iter, fell_back, compiled)
 
 
-def _check_block_compiled(block, eager_forward, tuned: _Tuned, loss: float, inputs, targets, kwargs, idx,
+def _check_block_compiled(block, eager_forward, tuned: TunedLayers, loss: float, inputs, targets, kwargs, idx,
                           dtype: str) -> tuple[bool, float]:
     """Iteration 0 under compile = true, just after the compiled forward and backward: the same windows through
     eager_forward, compared by compile_disagreement. Iteration 0 keeps the eager loss and gradients either way, so
