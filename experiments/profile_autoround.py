@@ -44,7 +44,7 @@ from bench_calibration import _first_blocks
 
 from quantlab.core.lifecycle import quantize
 from quantlab.core.registry import make_config
-from quantlab.methods import autoround
+from quantlab.methods import autoround_state
 from quantlab.models.data import calibration_windows, load_token_ids
 from quantlab.models.loading import load_model
 from quantlab.runs.envinfo import cpu_facts, environment, load_average
@@ -67,18 +67,18 @@ def part(op: str) -> str:
 @contextmanager
 def grid_arithmetic(compiled: bool):
     """autoround_qdq inside a record_function (its forward's total) and, compiled, under torch.compile."""
-    real = autoround.autoround_qdq
+    real = autoround_state.autoround_qdq
     inner = torch.compile(real, dynamic=False) if compiled else real
 
     def qdq(*args, **kwargs):
         with record_function("autoround_qdq"):
             return inner(*args, **kwargs)
 
-    autoround.autoround_qdq = qdq
+    autoround_state.autoround_qdq = qdq
     try:
         yield
     finally:
-        autoround.autoround_qdq = real
+        autoround_state.autoround_qdq = real
 
 
 def profile_mode(block_model, calib, iters: int, dtype: str, compiled: str, top: int) -> tuple[dict, list[dict]]:
