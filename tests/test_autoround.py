@@ -14,8 +14,8 @@ from quantlab.core.primitives import fake_quantize, grouped
 from quantlab.core.qlinear import QuantLinear, WeightSpec
 from quantlab.core.registry import non_default_fields
 from quantlab.methods import autoround, autoround_compile, autoround_grid, autoround_state
-from quantlab.methods.autoround import AutoRoundConfig, autoround_qdq
-from quantlab.methods.autoround_grid import full_range_scale
+from quantlab.methods.autoround import AutoRoundConfig
+from quantlab.methods.autoround_grid import autoround_qdq, full_range_scale
 
 
 def _calib(n=4, tokens=32):

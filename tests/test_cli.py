@@ -252,7 +252,6 @@ def test_mixed_keeps_every_comment_and_the_formatting(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
-
 def test_export_runs_from_the_command_line_and_writes_what_the_library_writes(exp_file, tmp_path, capsys):
     """`quantlab export --format compressed-tensors` (the command once parsed but had nothing to call): exit 0, the
     one-line summary, and the bytes export_run writes for the same run (reference; the export is deterministic). An
@@ -265,8 +264,9 @@ def test_export_runs_from_the_command_line_and_writes_what_the_library_writes(ex
                     capsys.readouterr().out)
     export_run(load_experiment(exp_file), "gptq-w4", lib, "compressed-tensors", progress=False)
     assert sorted(p.name for p in cli.iterdir()) == sorted(p.name for p in lib.iterdir())
-    assert list(lib.glob("*.safetensors"))
-    for path in lib.glob("*.safetensors"):
+    files = list(lib.glob("*.safetensors"))
+    assert files
+    for path in files:
         assert (cli / path.name).read_bytes() == path.read_bytes()
     assert main(["-q", "export", str(exp_file), str(tmp_path / "x"), "--run", "nope"]) == 1
     assert "has no run 'nope'; its runs: fp32, gptq-w4" in capsys.readouterr().err

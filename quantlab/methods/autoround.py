@@ -78,7 +78,6 @@ from ..core.registry import LayerSelection, Method, register_method
 from ..models.arch import find_blocks
 from ..util.checks import check_choice, check_int
 from .autoround_compile import COMPILE_TOLERANCE, check_compile, compile_disagreement, compiled_forward
-from .autoround_grid import autoround_qdq  # noqa: F401  (re-exported: tests, research code)
 from .autoround_state import TunedLayers
 
 log = logging.getLogger(__name__)
