@@ -226,3 +226,25 @@ def test_observe_block_stops_at_the_last_observed_layer(tiny_model):
     observe_block(block, [x], [{"position_embeddings": pos}], {"never": torch.nn.Linear(2, 2)})
     assert reached == ["mlp"]
     hook.remove()
+
+
+@pytest.mark.parametrize("true_sequential", [True, False])
+def test_sharing_one_hessian_per_input_changes_no_bit(tiny_model_dir, monkeypatch, true_sequential):
+    """q/k/v (and gate/up) share one Hessian; reference: one observer per layer, as before. Same codes and scales."""
+    from quantlab.core import observers
+    from quantlab.core.lifecycle import quant_linears
+
+    calib = [torch.randint(0, 300, (1, 32), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    spec = {"method": "gptq", "bits": 3, "group_size": 32, "true_sequential": true_sequential}
+    made = []
+    monkeypatch.setattr(gptq, "HessianObserver", lambda: made.append(observers.HessianObserver()) or made[-1])
+    shared, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
+    quantlab.quantize(shared, quantlab.make_config(spec), calibration=calib)
+    assert len(made) == 2 * 4  # 2 blocks x (q/k/v, o, gate/up, down): 8 Hessians for 14 layers
+    monkeypatch.setattr(gptq, "attach_shared_input_observers", observers.attach_input_observers)
+    apart, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
+    quantlab.quantize(apart, quantlab.make_config(spec), calibration=calib)
+    assert len(made) == 8 + 14
+    a, b = quant_linears(shared), quant_linears(apart)
+    for name in a:
+        assert torch.equal(a[name].qweight, b[name].qweight) and torch.equal(a[name].scale, b[name].scale), name

@@ -224,3 +224,55 @@ def test_hessian_errors_name_the_layer():
     obs.update(x)
     with pytest.raises(ValueError, match=r"hessian observer of model\.layers\.2\.mlp\.up_proj: NaN/Inf"):
         obs.compute("model.layers.2.mlp.up_proj")
+
+
+class _Fan(torch.nn.Module):
+    """a, b and c read x itself; d reads a copy of it (equal values, another tensor)."""
+
+    def __init__(self, copy_for_b_after: int | None = None):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (torch.nn.Linear(8, 8) for _ in range(4))
+        self.calls, self.copy_for_b_after = 0, copy_for_b_after
+
+    def forward(self, x):
+        self.calls += 1
+        b_in = x.clone() if self.copy_for_b_after is not None and self.calls > self.copy_for_b_after else x
+        return self.a(x) + self.b(b_in) + self.c(x) + self.d(x.clone())
+
+
+def test_modules_handed_one_tensor_share_one_observer_with_the_same_bits():
+    """Reference: one observer per module (attach_input_observers). Shared: a/b/c's Hessian is one object that saw
+    each batch once, bitwise what each module's own observer computed; d (a copy) keeps its own."""
+    from quantlab.core.observers import attach_input_observers, attach_shared_input_observers
+
+    fan, batches = _Fan(), _batches(n=3)
+    mods = {n: getattr(fan, n) for n in "abcd"}
+    own, remove = attach_input_observers(mods, lambda n: HessianObserver())
+    for x in batches:
+        fan(x)
+    remove()
+    shared, remove = attach_shared_input_observers(mods, lambda n: HessianObserver())
+    for x in batches:
+        fan(x)
+    remove()
+    assert shared["a"] is shared["b"] is shared["c"] and shared["d"] is not shared["a"]
+    assert int(shared["a"].samples) == int(own["a"].samples) == 3 * 3 * 40
+    for n in "abcd":
+        assert torch.equal(shared[n].compute(n), own[n].compute(n)), n
+    assert sorted(shared) == list("abcd") and len(shared) == 4
+
+
+def test_a_sharing_that_stops_holding_raises_and_an_unreached_module_says_so():
+    from quantlab.core.observers import attach_shared_input_observers
+
+    fan = _Fan(copy_for_b_after=1)
+    shared, remove = attach_shared_input_observers({n: getattr(fan, n) for n in "ab"}, lambda n: HessianObserver())
+    fan(_batches(n=1)[0])
+    with pytest.raises(RuntimeError, match="b: its input is no longer the tensor a is handed"):
+        fan(_batches(n=1)[0])
+    remove()
+    shared, remove = attach_shared_input_observers({"a": fan.a, "never": torch.nn.Linear(2, 2)},
+                                                   lambda n: HessianObserver())
+    with pytest.raises(ValueError, match="never: no observed forward reached it"):
+        shared["never"]
+    remove()

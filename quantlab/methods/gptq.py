@@ -20,7 +20,7 @@ from ..calibration.blocks import for_each_block
 from ..core import formats
 from ..core.clipping import CLIP_SEARCHES, ClipSearch, normalized_importance, search_qparams
 from ..core.lifecycle import freeze_all, swap_in_quant_linears
-from ..core.observers import HessianObserver, attach_input_observers
+from ..core.observers import HessianObserver, attach_shared_input_observers
 from ..core.primitives import QParams, code_range
 from ..core.qlinear import QuantLinear, WeightSpec
 from ..core.registry import Method, register_method
@@ -285,7 +285,8 @@ class GPTQ(Method):
                 layer.quant_enabled = False  # Hessians from float weights of this and later stages
             for stage in stages:
                 observed = {n: layers[n] for n in stage}
-                observers, remove = attach_input_observers(observed, lambda n: HessianObserver())
+                # layers handed one input (q/k/v, gate/up) share its Hessian: computed once, the same bits
+                observers, remove = attach_shared_input_observers(observed, lambda n: HessianObserver())
                 try:  # stops each forward once the stage's layers have their inputs (the rest is not needed)
                     blocks.observe_block(block, inputs, kwargs, observed)
                 finally:
