@@ -21,7 +21,7 @@ layer, q/k norms and sliding-window layers counted); others fail loudly.
 
 Backend "onnxruntime" (backends/ort.py: float32 graph, CPU session) holds other things; each term was measured
 on SmolLM2-135M (ONNX Runtime 1.32, glibc with a fixed mmap threshold, so freed tensors leave RSS at once) on a
-2-core AMD EPYC with AVX2 only, and checked against reports/smollm2_speed.csv (AVX-512 EPYC):
+2-core AMD EPYC with AVX2 only, and checked against every CPU kind's reports/smollm2_speed*.csv (tests/test_estimate):
 - weights: the initializers in MatMulNBits' layout (ort_pack: codes over whole blocks + an fp32 scale and a
   packed zero point per block, symmetric too; per-channel layers cut into blocks of block_size_for) or fp32 for
   a layer MatMulNBits cannot take, + every float part, + a second copy of the embedding table when it is tied:
