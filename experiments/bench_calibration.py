@@ -10,12 +10,13 @@ Same seeded calibration windows (validation split, 8 x 512 tokens by default) fo
 - GPTQ w4 g64, true_sequential = false; AWQ w4 g64 (llm-awq reference); SmoothQuant W8A8 (alpha 0.5 and
   searched); a sensitivity sweep of 4 layers (rtn w3 g64).
 Then each method's pace against the machine (--blocks, default 2: the first decoder blocks of SmolLM2, 16 x 512
-calibration tokens as the PTQ reports): seconds per block, matmul FLOPs per block (torch's FlopCounterMode on a
-separate pass; AutoRound's by its iteration count: counted at 1 and 2 iterations, which differ by one iteration's
-FLOPs), the achieved GFLOP/s and its fraction of this machine's F.linear rate on the replays' shapes, measured in the
-same run (quantlab.eval.compute). GPTQ (w4 g64, true_sequential false), AWQ reference and version 1, AutoRound w4 g64
-at 50 iterations (the committed rows) and at the reference's 200, in float32 and with its matmuls under bf16
-autocast (`dtype = "bfloat16"`; its fraction is of F.linear's bf16 rate, measured too); `--methods` picks some.
+calibration tokens as the PTQ reports): seconds per block, matmul FLOPs per block (torch's FlopCounterMode with the
+in-place products and CPU attention it misses, quantlab.eval.compute, on a separate pass; AutoRound's by its
+iteration count: counted at 1 and 2 iterations, which differ by one iteration's FLOPs), the achieved GFLOP/s and
+its fraction of this machine's F.linear rate on the replays' shapes, measured in the same run. GPTQ (w4 g64,
+true_sequential false), AWQ reference and version 1, AutoRound w4 g64 at 50 iterations (the committed rows) and
+at the reference's 200, in float32 and with its matmuls under bf16 autocast (`dtype = "bfloat16"`; its fraction
+is of F.linear's bf16 rate, measured too); `--methods` picks some.
 Writes reports/bench_calibration.csv (seconds) and reports/bench_calibration_rate.csv (the pace; --out X.csv writes
 X_rate.csv beside it), with the CPU and the load average.
 """
@@ -173,7 +174,8 @@ def pace(model, tok, n_blocks: int, out: Path, methods: list[str] | None = None)
               f"= {achieved / rate[key]:.0%} of the F.linear rate in {spec.get('dtype', 'float32')}", flush=True)
     env = environment(torch.device("cpu")) | cpu_facts() | rate | {
         "calib_windows": 16, "calib_seq_len": 512, "blocks_measured": n_blocks, "threads": torch.get_num_threads(),
-        "load_avg_start": load_start, "load_avg_end": load_average()}
+        "load_avg_start": load_start, "load_avg_end": load_average(),
+        "flop_count": "FlopCounterMode + in-place products + CPU attention (quantlab.eval.compute)"}
     pd.DataFrame([{**r, **env} for r in rows]).to_csv(out, index=False)
     print(f"-> {out} [{env['cpu_model']}, load {load_start:.2f} -> {env['load_avg_end']:.2f}]")
     return 0
