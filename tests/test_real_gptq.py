@@ -53,20 +53,20 @@ def _block0_hessians(model, calib) -> dict[str, torch.Tensor]:
 
 def _calibrate_recording(model, calib, monkeypatch, **fields):
     """GPTQ prepare + calibrate (not frozen); returns [(stage names, {name: the Hessian GPTQ used})]."""
-    stages, real_attach = [], gptq_mod.attach_input_observers
+    stages, real_attach = [], gptq_mod.attach_shared_input_observers
 
     def spy(modules, factory):
-        observers, remove = real_attach(modules, factory)
-        assert all(type(o) is HessianObserver for o in observers.values())
+        observers, remove = real_attach(modules, factory)  # filled by the stage's forwards
         stages.append((list(modules), observers))
         return observers, remove
 
-    monkeypatch.setattr(gptq_mod, "attach_input_observers", spy)
+    monkeypatch.setattr(gptq_mod, "attach_shared_input_observers", spy)
     config = quantlab.make_config({**W3, **fields})
     method = quantlab.get_method(config)
     method.prepare(model, config)
     method.calibrate(model, config, calib, progress=False)
     monkeypatch.undo()
+    assert all(type(o) is HessianObserver for _, obs in stages for o in obs.values())
     return [(names, {n: o.compute().double() for n, o in obs.items()}) for names, obs in stages]
 
 
