@@ -22,6 +22,11 @@ Every fp32 and simulated configuration's NLL is checked against the hf-loop's on
 any time counts; a bf16 row is not gated, its NLL's relative difference from the fp32 loop's is a column
 (`nll_rel_diff_vs_fp32`). Writes reports/bench_harness.csv (one row per configuration, with the CPU it ran on; --out
 names another file, one per CPU kind) and its Markdown beside it (the table and the summary, from the rows).
+Every row also says how close it runs to the machine: the matmul FLOPs of one pass over the windows (counted once on
+the fp32 plain loop, quantlab.eval.compute; every configuration runs the same products, full logits included), the
+GFLOP/s achieved, and its fraction of F.linear's rate at the same threads, measured in the same run (fp32: the faster
+of PyTorch's BLAS and oneDNN, both in the CSV; bf16 rows against the bf16 rate), so a ratio that cannot grow is told
+from one that can.
 """
 from __future__ import annotations
 
@@ -40,7 +45,8 @@ sys.path.insert(0, str(ROOT))
 
 from quantlab.core.lifecycle import quantize
 from quantlab.core.registry import make_config
-from quantlab.eval.gemm import onednn_available, resolve_gemm
+from quantlab.eval.compute import count_matmul_flops, measure_matmul_rate
+from quantlab.eval.gemm import onednn_available, onednn_linear, resolve_gemm
 from quantlab.eval.perplexity import perplexity
 from quantlab.models.data import eval_windows, load_token_ids
 from quantlab.models.loading import load_model
@@ -62,6 +68,11 @@ def hf_loop(model, windows: torch.Tensor) -> float:
 
 def harness(model, windows: torch.Tensor, batch: int, gemm: str = "auto", dtype: str | None = None) -> float:
     return sum(perplexity(model, windows, progress=False, batch_size=batch, gemm=gemm, dtype=dtype)["window_nll"])
+
+
+def dtype_of(config: str) -> str:
+    """The dtype a configuration's matmuls run in: bf16 rows (cast or autocast) in bfloat16, the rest in float32."""
+    return "bfloat16" if config.startswith("bf16") else "float32"
 
 
 def main(argv=None) -> int:
@@ -106,12 +117,21 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             fn()
             seconds[name].append(time.perf_counter() - t0)
+    flops = count_matmul_flops(lambda: hf_loop(model, windows))[0]
+    gemm_rate = {"aten": measure_matmul_rate()["matmul_gflops"]}
+    if onednn_available():
+        with onednn_linear():
+            gemm_rate["onednn"] = measure_matmul_rate()["matmul_gflops"]
+    rate = {"float32": max(gemm_rate.values())}  # the machine's: the faster GEMM library
+    if not args.no_bf16:
+        rate["bfloat16"] = measure_matmul_rate(dtype=torch.bfloat16)["matmul_gflops"]
     tokens = windows.numel()
     base = statistics.median(seconds["hf-loop"])
     sim_base = statistics.median(seconds["sim-w4g64-hf-loop"])
     own_loop = {"sim": sim_base, "bf16": statistics.median(seconds["bf16-hf-loop"]) if "bf16-hf-loop" in seconds else None}
     env = environment(torch.device("cpu")) | cpu_facts() | {"threads": args.threads, "load_avg_start": load_start,
-                                                             "load_avg_end": load_average()}
+                                                             "load_avg_end": load_average()} | {
+        f"matmul_gflops_fp32_{lib}": v for lib, v in gemm_rate.items()}
     rows = []
     for name, times in seconds.items():
         s = statistics.median(times)
@@ -119,7 +139,10 @@ def main(argv=None) -> int:
                      "seconds_all": " ".join(f"{t:.3f}" for t in times), "tokens_per_s": tokens / s,
                      "speedup_vs_hf_loop_fp32": base / s,
                      "speedup_vs_same_model_hf_loop": (own_loop.get(name.split("-")[0]) or base) / s,
-                     "nll_total": nll[name], "nll_rel_diff_vs_fp32": nll[name] / nll["hf-loop"] - 1, **env})
+                     "nll_total": nll[name], "nll_rel_diff_vs_fp32": nll[name] / nll["hf-loop"] - 1,
+                     "gflop_per_pass": flops / 1e9, "achieved_gflops": flops / s / 1e9,
+                     "matmul_rate_dtype": dtype_of(name), "matmul_gflops": rate[dtype_of(name)],
+                     "fraction_of_matmul_rate": flops / s / 1e9 / rate[dtype_of(name)], **env})
     df = pd.DataFrame(rows)
     best_fp32 = df[df.config.str.startswith("harness-b")].seconds_median.min()
     best_aten = df[df.config.str.startswith("harness-aten")].seconds_median.min()
@@ -130,6 +153,9 @@ def main(argv=None) -> int:
     bf16_diff = bf16_rows.nll_rel_diff_vs_fp32[bf16_rows.seconds_median.idxmin()] if len(bf16_rows) else None
     amp_rows = df[df.config.str.startswith("bf16-autocast-harness")]
     amp = amp_rows.loc[amp_rows.seconds_median.idxmin()] if len(amp_rows) else None
+    def fraction(prefix: str) -> float:
+        return df[df.config.str.startswith(prefix)].fraction_of_matmul_rate.max()
+
     summary = (f"best harness vs HF loop (fp32): {base / best_fp32:.2f}x (gemm auto = "
                f"{resolve_gemm('auto', torch.device('cpu'))}; PyTorch's BLAS: {base / best_aten:.2f}x, oneDNN: "
                f"{base / best_onednn:.2f}x); "
@@ -139,6 +165,10 @@ def main(argv=None) -> int:
                   "fp32's" if best_bf16 else "")
                + (f"; bf16 autocast ([eval] dtype = \"bfloat16\", the model left in fp32): "
                   f"{base / amp.seconds_median:.2f}x, NLL {amp.nll_rel_diff_vs_fp32:+.2e}" if amp is not None else "")
+               + f"; matmuls at {fraction('harness-b'):.0%} of F.linear's best fp32 rate at {args.threads} threads "
+               f"({rate['float32']:.0f} GFLOP/s; " + ", ".join(f"{lib} {v:.0f}" for lib, v in gemm_rate.items())
+               + f") in the best fp32 harness, {fraction('hf-loop'):.0%} in the HF loop, "
+               f"so 1.3x the HF loop in fp32 would need {1.3 * fraction('hf-loop'):.0%}"
                + f" [{env['cpu_model']}, AVX-512: {env['cpu_avx512'] != 'none'}, AMX: {env['cpu_amx'] != 'none'}, "
                f"{args.threads} threads]")
     out = Path(args.out)
@@ -153,7 +183,8 @@ def main(argv=None) -> int:
 COLUMNS = [("config", "config", "{}"), ("seconds_median", "s (median)", "{:.3f}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
            ("speedup_vs_hf_loop_fp32", "x fp32 HF loop", "{:.2f}"),
            ("speedup_vs_same_model_hf_loop", "x same model's loop", "{:.2f}"),
-           ("nll_rel_diff_vs_fp32", "NLL rel. diff vs fp32", "{:+.1e}")]
+           ("nll_rel_diff_vs_fp32", "NLL rel. diff vs fp32", "{:+.1e}"),
+           ("fraction_of_matmul_rate", "of F.linear rate", "{:.0%}")]
 
 
 def _markdown(df: pd.DataFrame, summary: str, csv_name: str) -> str:
