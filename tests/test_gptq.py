@@ -231,7 +231,7 @@ def test_observe_block_stops_at_the_last_observed_layer(tiny_model):
 @pytest.mark.parametrize("true_sequential", [True, False])
 def test_sharing_one_hessian_per_input_changes_no_bit(tiny_model_dir, monkeypatch, true_sequential):
     """q/k/v (and gate/up) share one Hessian; reference: one observer per layer, as before. Same codes and scales."""
-    from quantlab.core import observers
+    from quantlab.core import observer_hooks, observers
     from quantlab.core.lifecycle import quant_linears
 
     calib = [torch.randint(0, 300, (1, 32), generator=torch.Generator().manual_seed(s)) for s in range(3)]
@@ -241,7 +241,7 @@ def test_sharing_one_hessian_per_input_changes_no_bit(tiny_model_dir, monkeypatc
     shared, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
     quantlab.quantize(shared, quantlab.make_config(spec), calibration=calib)
     assert len(made) == 2 * 4  # 2 blocks x (q/k/v, o, gate/up, down): 8 Hessians for 14 layers
-    monkeypatch.setattr(gptq, "attach_shared_input_observers", observers.attach_input_observers)
+    monkeypatch.setattr(gptq, "attach_shared_input_observers", observer_hooks.attach_input_observers)
     apart, _ = quantlab.load_model(str(tiny_model_dir), device="cpu")
     quantlab.quantize(apart, quantlab.make_config(spec), calibration=calib)
     assert len(made) == 8 + 14

@@ -243,7 +243,7 @@ class _Fan(torch.nn.Module):
 def test_modules_handed_one_tensor_share_one_observer_with_the_same_bits():
     """Reference: one observer per module (attach_input_observers). Shared: a/b/c's Hessian is one object that saw
     each batch once, bitwise what each module's own observer computed; d (a copy) keeps its own."""
-    from quantlab.core.observers import attach_input_observers, attach_shared_input_observers
+    from quantlab.core.observer_hooks import attach_input_observers, attach_shared_input_observers
 
     fan, batches = _Fan(), _batches(n=3)
     mods = {n: getattr(fan, n) for n in "abcd"}
@@ -263,7 +263,7 @@ def test_modules_handed_one_tensor_share_one_observer_with_the_same_bits():
 
 
 def test_a_sharing_that_stops_holding_raises_and_an_unreached_module_says_so():
-    from quantlab.core.observers import attach_shared_input_observers
+    from quantlab.core.observer_hooks import attach_shared_input_observers
 
     fan = _Fan(copy_for_b_after=1)
     shared, remove = attach_shared_input_observers({n: getattr(fan, n) for n in "ab"}, lambda n: HessianObserver())

@@ -47,7 +47,8 @@ from ..calibration import blocks
 from ..calibration.blocks import for_each_block
 from ..core.lifecycle import freeze_all, quant_linears, swap_in_quant_linears
 from ..core.lut import lut_qparams
-from ..core.observers import Observer, attach_input_observers
+from ..core.observer_hooks import attach_input_observers
+from ..core.observers import Observer
 from ..core.qlinear import QuantLinear, WeightSpec
 from ..core.registry import LayerSelection, Method, register_method
 from ..models.arch import find_blocks

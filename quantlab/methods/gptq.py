@@ -20,7 +20,8 @@ from ..calibration.blocks import for_each_block
 from ..core import formats
 from ..core.clipping import CLIP_SEARCHES, ClipSearch, normalized_importance, search_qparams
 from ..core.lifecycle import freeze_all, swap_in_quant_linears
-from ..core.observers import HessianObserver, attach_shared_input_observers
+from ..core.observer_hooks import attach_shared_input_observers
+from ..core.observers import HessianObserver
 from ..core.primitives import QParams, code_range
 from ..core.qlinear import QuantLinear, WeightSpec
 from ..core.registry import Method, register_method

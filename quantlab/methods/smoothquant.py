@@ -44,7 +44,8 @@ from torch import nn
 from ..calibration.smoothing import apply_scale, group_applies, group_modules
 from ..core.activations import DynamicActQuant, StaticActQuant
 from ..core.lifecycle import linearize_conv1d, quant_linears, run_calibration
-from ..core.observers import SmoothStats, attach_input_observers
+from ..core.observer_hooks import attach_input_observers
+from ..core.observers import SmoothStats
 from ..core.qlinear import WeightSpec
 from ..core.registry import (
     Method,

@@ -20,7 +20,8 @@ from torch import nn
 
 from ..core.activations import STATIC_FORMATS, StaticActQuant, check_act_bits, check_act_format
 from ..core.lifecycle import quant_linears, run_calibration
-from ..core.observers import RANGE_OBSERVERS, Observer, attach_input_observers, make_observer
+from ..core.observer_hooks import attach_input_observers
+from ..core.observers import RANGE_OBSERVERS, Observer, make_observer
 from ..core.registry import Method, as_weight_base, get_method, needs_calibration, register_method
 from ..util.checks import check_choice
 from .rtn import RTNConfig
